@@ -1,0 +1,187 @@
+import functools
+
+import jax
+import numpy as np
+from beartype import BeartypeConf, beartype
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
+
+from ._aux import AttnAux
+from ._canon import canonicalize, parse_causal, parse_window, _static_float
+from ._dispatch import Explanation, check_backend, choose
+from ._flash import flash_attention
+from ._reference import reference_attention
+
+# Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
+_Arr = Array | np.ndarray
+_typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
+
+_STATIC = ("scale", "causal", "window", "softcap", "dropout_rate", "return_probs", "backend")
+
+
+def _check_return_probs(return_probs: object) -> bool:
+    if not isinstance(return_probs, (bool, np.bool_)):
+        raise TypeError(f"`return_probs` must be a bool; got {return_probs!r}.")
+    return bool(return_probs)
+
+
+def _statics(scale, causal, window, softcap, dropout_rate, return_probs, backend) -> dict:
+    """Checks the static options before they key the jit cache (they must be hashable)."""
+    return dict(
+        scale=_static_float("scale", scale, allow_none=True),
+        causal=parse_causal(causal),
+        window=parse_window(window),
+        softcap=_static_float("softcap", softcap, allow_none=True),
+        dropout_rate=_static_float("dropout_rate", dropout_rate, allow_none=False),
+        return_probs=_check_return_probs(return_probs),
+        backend=check_backend(backend),
+    )
+
+
+def _run(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink, key,
+         *, scale, causal, window, softcap, dropout_rate, return_probs, backend):
+    problem = canonicalize(
+        q, k, v, scale=scale, bias=bias, mask=mask, causal=bool(causal) if causal < 2 else
+        "bottom_right", window=(None if window[0] < 0 else window[0],
+                                None if window[1] < 0 else window[1]),
+        q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, softcap=softcap, sink=sink, dropout_rate=dropout_rate,
+        key=key,
+    )
+    choice = choose(problem, backend, return_probs)
+    return problem, choice
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attention_jit(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids,
+                   sink, key, **statics):
+    problem, choice = _run(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                           kv_segment_ids, sink, key, **statics)
+    arrays, options = problem.arrays, problem.options
+    if choice.backend == "flash":
+        out, lse, row_max = flash_attention(arrays, options)
+        probs = None
+    else:
+        out, lse, row_max, probs = reference_attention(
+            arrays, options, return_probs=statics["return_probs"]
+        )
+    batch = problem.batch_shape
+    out = out.reshape((*batch, *out.shape[1:]))
+    lse = lse.reshape((*batch, *lse.shape[1:]))
+    row_max = jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:])))
+    if probs is not None:
+        probs = probs.reshape((*batch, *probs.shape[1:]))
+    aux = AttnAux(
+        lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state, backend=choice.backend
+    )
+    return out, aux
+
+
+@jaxtyped(typechecker=_typechecker)
+def attention(
+    q: Float[_Arr, "*batch q_seq q_heads qk_dim"],
+    k: Float[_Arr, "*batch kv_seq kv_heads qk_dim"],
+    v: Float[_Arr, "*batch kv_seq kv_heads v_dim"],
+    *,
+    scale: float | None = None,
+    bias: Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"] | None = None,
+    mask: Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"] | None = None,
+    causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    q_seqlens: Int[_Arr, "*batch"] | None = None,
+    kv_seqlens: Int[_Arr, "*batch"] | None = None,
+    q_segment_ids: Int[_Arr, "*batch q_seq"] | None = None,
+    kv_segment_ids: Int[_Arr, "*batch kv_seq"] | None = None,
+    softcap: float | None = None,
+    sink: Float[_Arr, "q_heads"] | None = None,
+    dropout_rate: float = 0.0,
+    key: PRNGKeyArray | None = None,
+    return_probs: bool = False,
+    backend: str = "auto",
+) -> tuple[Float[Array, "*batch q_seq q_heads v_dim"], AttnAux]:
+    """Fused multi-head attention that returns its softmax statistics.
+
+    Computes `softmax(scale * q @ k^T + bias, masked) @ v` per head and returns the output together
+    with an [`AttnAux`][attnaux.AttnAux] holding the log-sum-exp and maximum of every softmax row.
+    Layout is BSHD: `[*batch, seq, heads, dim]`, any number of leading batch dimensions (none for
+    an unbatched call). Works under `jax.jit`, `jax.grad` and `jax.vmap`.
+
+    **Arguments:**
+
+    - `q`: queries, `[*batch, q_seq, q_heads, qk_dim]`; float32, bfloat16 or float16.
+    - `k`: keys, `[*batch, kv_seq, kv_heads, qk_dim]`; `q_heads` must be a multiple of
+      `kv_heads` (GQA; `kv_heads = 1` is MQA).
+    - `v`: values, `[*batch, kv_seq, kv_heads, v_dim]`.
+    - `scale`: multiplies `q @ k^T`; defaults to `1 / sqrt(qk_dim)`. A static Python float.
+    - `bias`: added to the scaled (and soft-capped) logits; broadcasts against
+      `[*batch, q_heads, q_seq, kv_seq]`. Differentiable.
+    - `mask`: boolean, `True` = attend; broadcasts like `bias`.
+    - `causal`: `False`, `True` (= `"top_left"`: query `i` sees keys `j <= i`) or
+      `"bottom_right"` (the last valid query row is aligned with the last valid key row, using
+      the valid lengths of `q_seqlens`/`kv_seqlens`).
+    - `window`: `(left, right)`: query `i` sees key `j` iff `i - left <= j <= i + right`, positions
+      shifted like the causal alignment; `None` on a side leaves it unbounded.
+    - `q_seqlens`, `kv_seqlens`: `int[*batch]` valid lengths; rows past them are padding (output 0,
+      zero gradients) and their contents are never read. Values are clamped to `[0, seq]`.
+    - `q_segment_ids`, `kv_segment_ids`: `int[*batch, seq]` for packed sequences: query and key
+      attend only when their ids are equal. One of them alone is used for both when
+      `q_seq == kv_seq`.
+    - `softcap`: logits become `softcap * tanh(logits / softcap)` (before the bias is added).
+    - `sink`: `float[q_heads]`, a learnable logit per head added to every softmax denominator.
+    - `dropout_rate`: dropout on the probabilities; needs `key`.
+    - `key`: a JAX PRNG key for dropout (keyword-only).
+    - `return_probs`: also return the full probabilities in `aux.probs`.
+    - `backend`: `"auto"` (default), `"flash"`, `"probs"`, `"small_seq"` or `"reference"`. See
+      [`attnaux.explain`][] for what `"auto"` picks and why.
+
+    **Returns:**
+
+    `(out, aux)`: `out` is `[*batch, q_seq, q_heads, v_dim]` in the input dtype; `aux` is an
+    [`AttnAux`][attnaux.AttnAux] with float32 `lse` and `max` of shape
+    `[*batch, q_heads, q_seq]`. A row with no visible key gives output 0 and `lse = max = -inf`
+    (`lse = sink` with a sink). Gradients flow through `out`, `aux.lse` and `aux.probs`; `aux.max`
+    carries none.
+
+    **Raises:**
+
+    `ValueError` or `TypeError` naming the argument, what was expected and what came, before
+    anything is traced.
+    """
+    statics = _statics(scale, causal, window, softcap, dropout_rate, return_probs, backend)
+    return _attention_jit(
+        q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink, key,
+        **statics,
+    )
+
+
+def explain(q, k, v, **options) -> Explanation:
+    """Says which backend `attention(q, k, v, **options)` would run, and why.
+
+    Takes exactly the arguments of [`attnaux.attention`][] (arrays or `jax.ShapeDtypeStruct`s);
+    validates them the same way, runs nothing.
+
+    **Returns:**
+
+    An `Explanation` with `backend`, `implementation`, `platform` and `reasons` (for every backend,
+    why it was or was not chosen); `print()` it for a readable summary.
+    """
+    options = dict(options)
+    statics = _statics(
+        options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
+        options.pop("softcap", None), options.pop("dropout_rate", 0.0),
+        options.pop("return_probs", False), options.pop("backend", "auto"),
+    )
+    names = ("bias", "mask", "q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "sink",
+             "key")
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"explain() got unknown options {sorted(unknown)}; it takes the keyword "
+                        "arguments of attnaux.attention.")
+    arrays = [options.get(n) for n in names]
+    result: list[Explanation] = []
+
+    def trace(q, k, v, *arrays):
+        result.append(_run(q, k, v, *arrays, **statics)[1])
+        return 0
+
+    jax.eval_shape(trace, q, k, v, *arrays)
+    return result[0]

@@ -1,0 +1,30 @@
+import equinox as eqx
+from jaxtyping import Array, Float, UInt32
+
+
+class AttnAux(eqx.Module):
+    """The softmax statistics every attnaux call returns next to its output.
+
+    `AttnAux` is an `eqx.Module`, so it is a pytree: it passes through `jax.jit`, `jax.vmap`,
+    `jax.grad` and `jax.tree_util` like any other. Gradients flow through `lse` and `probs`;
+    `max` is returned under `jax.lax.stop_gradient`.
+
+    **Fields:**
+
+    - `lse`: `float32[*batch, q_heads, q_seq]`, the natural-log log-sum-exp of the final logits of
+      every softmax row (after scale, softcap, bias and masks; the sink term included). A row with
+      no visible key has `lse = -inf`, or `lse = sink` when a sink is given.
+    - `max`: `float32[*batch, q_heads, q_seq]`, the row maximum of the same logits over the visible
+      keys (the sink excluded); `-inf` for a row with no visible key. Carries no gradient.
+    - `probs`: `[*batch, q_heads, q_seq, kv_seq]` softmax probabilities before dropout, or `None`
+      when the backend that ran does not save them.
+    - `rng_state`: `uint32[4]` (seed as 2 words, offset as 2 words) that determines the dropout
+      keep-mask exactly, or `None` without dropout.
+    - `backend`: which backend ran (`"flash"`, `"probs"`, `"small_seq"` or `"reference"`); static.
+    """
+
+    lse: Float[Array, "*batch q_heads q_seq"]
+    max: Float[Array, "*batch q_heads q_seq"]
+    probs: Float[Array, "*batch q_heads q_seq kv_seq"] | None = None
+    rng_state: UInt32[Array, "4"] | None = None
+    backend: str = eqx.field(static=True, default="reference")

@@ -1,0 +1,199 @@
+"""The `flash` backend: the compiled blocked online-softmax kernels behind `jax.custom_vjp`.
+
+The forward saves only `lse` (plus the inputs and the output); the backward recomputes the
+probabilities tile by tile from it. Both kernels are XLA FFI targets (`docs/kernel_abi.md`).
+`jax.vmap` is handled by a batching rule that folds the mapped axis into the kernel's batch
+dimension, so a vmapped call is one kernel launch; where that would change results (a batched sink
+or dropout state), it maps sequentially instead.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from ._canon import Canonical, Options
+
+FWD_TARGET = "attnaux_flash_fwd"
+BWD_TARGET = "attnaux_flash_bwd"
+
+# Positions of the canonical arrays in the kernel's argument list.
+_PER_BATCH = (0, 1, 2, 5, 6, 7, 8)  # q, k, v, q_seqlens, kv_seqlens, q/kv_segment_ids
+_BROADCAST = (3, 4)  # bias, mask: [Bb, Hb, Sqb, Skvb] with Bb in {1, B}
+_SHARED = (9, 10)  # sink, rng_state: one per call
+_EMPTY_DTYPES = (
+    None, None, None, jnp.float32, jnp.bool_, None, None, jnp.int32, jnp.int32, jnp.float32,
+    jnp.uint32,
+)
+
+
+def _attrs(options: Options) -> dict:
+    return dict(
+        scale=np.float32(options.scale),
+        softcap=np.float32(options.softcap),
+        causal=np.int32(options.causal),
+        window_left=np.int64(options.window_left),
+        window_right=np.int64(options.window_right),
+        dropout_rate=np.float32(options.dropout_rate),
+    )
+
+
+def kernel_args(arrays: Canonical) -> tuple[jax.Array, ...]:
+    """The canonical arrays as the kernel takes them: absent inputs as empty `(0,)` arrays."""
+    return tuple(
+        jnp.zeros((0,), dtype) if x is None else x for x, dtype in zip(arrays, _EMPTY_DTYPES)
+    )
+
+
+def _present(x: jax.Array) -> bool:
+    return x.ndim > 1 or x.shape != (0,)
+
+
+def _fold(axis_size: int, batched: bool, x: jax.Array, per_batch: bool, bsz: int) -> jax.Array:
+    """Merges the vmapped axis (leading, if batched) into the kernel's batch dimension."""
+    if per_batch:
+        if not batched:
+            x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        return x.reshape((axis_size * x.shape[1], *x.shape[2:]))
+    # bias / mask: dims [Bb, ...] with Bb in {1, bsz}.
+    if not _present(x if not batched else x[0]):
+        return x[0] if batched else x
+    if not batched:
+        if x.shape[0] == 1:
+            return x
+        x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    elif x.shape[1] != bsz:
+        x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
+    return x.reshape((axis_size * bsz, *x.shape[2:]))
+
+
+def _unfold(axis_size: int, x: jax.Array) -> jax.Array:
+    return x.reshape((axis_size, x.shape[0] // axis_size, *x.shape[1:]))
+
+
+def _batching_rule(fn, n_per_batch_tail: int):
+    """A `custom_vmap` rule for a kernel call whose first 11 arguments are the canonical ones and
+    whose remaining `n_per_batch_tail` arguments (and every output) are per batch element."""
+
+    def rule(axis_size, in_batched, *args):
+        shared_batched = any(in_batched[i] and _present(args[i][0]) for i in _SHARED)
+        if shared_batched or axis_size == 0:
+            # A sink or dropout state per mapped element cannot share one launch (and folding
+            # would change the dropout counters): run the mapped elements one after another.
+            def one(mapped):
+                it = iter(mapped)
+                return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+            outs = jax.lax.map(one, tuple(a for a, b in zip(args, in_batched) if b))
+            return outs, jax.tree.map(lambda _: True, outs)
+        bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+        folded = []
+        for i, (x, b) in enumerate(zip(args, in_batched)):
+            if i in _SHARED:
+                folded.append(x[0] if b else x)
+            elif i in _BROADCAST:
+                folded.append(_fold(axis_size, b, x, per_batch=False, bsz=bsz))
+            else:
+                folded.append(_fold(axis_size, b, x, per_batch=True, bsz=bsz))
+        del n_per_batch_tail
+        outs = fn(*folded)
+        unfolded = tuple(
+            _unfold(axis_size, o) if _present(o) else o for o in outs
+        )
+        return unfolded, tuple(_present(o) for o in outs)
+
+    return rule
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(options: Options):
+    @custom_vmap
+    def forward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng):
+        bsz, q_seq, q_heads, _ = q.shape
+        v_dim = v.shape[-1]
+        call = jax.ffi.ffi_call(
+            FWD_TARGET,
+            (
+                jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v_dim), q.dtype),
+                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+            ),
+        )
+        return tuple(
+            call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, **_attrs(options))
+        )
+
+    forward.def_vmap(_batching_rule(forward, 0))
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_call(options: Options):
+    @custom_vmap
+    def backward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, out, dout, lse, dlse):
+        bsz, q_seq, q_heads, _ = q.shape
+        kv_seq = k.shape[1]
+        dbias_shape = (bsz, q_heads, q_seq, kv_seq) if _present(bias) else (0,)
+        call = jax.ffi.ffi_call(
+            BWD_TARGET,
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            ),
+        )
+        return tuple(
+            call(
+                q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng,
+                out, dout, lse, dlse, **_attrs(options),
+            )
+        )
+
+    backward.def_vmap(_batching_rule(backward, 4))
+    return backward
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(options: Options, *args: jax.Array):
+    return _forward_call(options)(*args)
+
+
+def _flash_fwd(options: Options, *args: jax.Array):
+    out, lse, row_max = _forward_call(options)(*args)
+    return (out, lse, row_max), (args, out, lse)
+
+
+def _flash_bwd(options: Options, residuals, cotangents):
+    args, out, lse = residuals
+    dout, dlse, _ = cotangents  # the row max carries no gradient
+    dout = dout.astype(out.dtype)
+    dlse = dlse.astype(jnp.float32)
+    dq, dk, dv, dbias_full = _backward_call(options)(*args, out, dout, lse, dlse)
+    bias, sink = args[3], args[9]
+    dbias = None
+    if _present(bias):
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and dbias_full.shape[a] != 1)
+        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).reshape(bias.shape)
+    dsink = None
+    if _present(sink):
+        # d lse / d sink = exp(sink - lse) and d out / d sink = -exp(sink - lse) * out, so the
+        # sink's gradient needs only per-row terms: no kernel output.
+        row_term = jnp.einsum(
+            "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
+        ) - dlse
+        dsink = -jnp.sum(jnp.exp(sink[None, :, None] - lse) * row_term, axis=(0, 2))
+    cts = [dq, dk, dv, dbias] + [None] * 5 + [dsink, None]
+    return tuple(cts)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    arrays: Canonical, options: Options
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the compiled `flash` kernels: `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])`."""
+    return _flash(options, *kernel_args(arrays))

@@ -1,0 +1,69 @@
+"""Philox-4x32-10 and attnaux's dropout keep-mask, in pure JAX.
+
+The compiled kernels draw the dropout keep-mask from the same function (see
+`docs/kernel_abi.md`): element `(b, h, i, j)` of the `[B, heads, q_seq, kv_seq]` probabilities has
+the linear index `e`, counter `(lo32(e >> 2), hi32(e >> 2), offset_lo, offset_hi)`, key
+`(seed_lo, seed_hi)`, and uses word `e & 3` of the Philox output. Everything here is 32-bit
+integer arithmetic, so it needs no `jax_enable_x64`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_M0 = np.uint32(0xD2511F53)
+_M1 = np.uint32(0xCD9E8D57)
+_W0 = np.uint32(0x9E3779B9)
+_W1 = np.uint32(0xBB67AE85)
+
+
+def _mulhilo(a: jax.Array, b: np.uint32) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) 32-bit halves of the 64-bit product of uint32 `a` and the constant `b`."""
+    b = jnp.uint32(b)
+    a0, a1 = a & 0xFFFF, a >> 16
+    b0, b1 = b & 0xFFFF, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)
+    hi = p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16)
+    return hi, a * b
+
+
+def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]):
+    """Random123's Philox-4x32 with 10 rounds, elementwise over uint32 arrays."""
+    c0, c1, c2, c3 = (jnp.asarray(c, jnp.uint32) for c in counter)
+    k0, k1 = (jnp.asarray(x, jnp.uint32) for x in key)
+    for round_index in range(10):
+        if round_index:
+            k0, k1 = k0 + _W0, k1 + _W1
+        hi0, lo0 = _mulhilo(c0, _M0)
+        hi1, lo1 = _mulhilo(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def keep_threshold(rate: float) -> np.uint32:
+    """Words at or above this threshold keep their element."""
+    return np.uint32(min(int(np.floor(rate * 2.0**32)), 2**32 - 1))
+
+
+def dropout_keep_mask(
+    rng_state: jax.Array, rate: float, batch: int, heads: int, q_seq: int, kv_seq: int
+) -> jax.Array:
+    """The `bool[batch, heads, q_seq, kv_seq]` keep-mask that the kernels use."""
+    rows = batch * heads * q_seq
+    if rows >= 2**32:
+        raise ValueError(
+            f"dropout over {rows} softmax rows (batch * heads * q_seq) exceeds 2**32 rows."
+        )
+    rng_state = jnp.asarray(rng_state, jnp.uint32)
+    row = jnp.arange(rows, dtype=jnp.uint32).reshape(batch, heads, q_seq, 1)
+    col = jnp.arange(kv_seq, dtype=jnp.uint32).reshape(1, 1, 1, kv_seq)
+    hi, lo = _mulhilo(row, np.uint32(kv_seq))  # e = row * kv_seq + col, as (hi, lo)
+    e_lo = lo + col
+    e_hi = hi + (e_lo < lo).astype(jnp.uint32)
+    g_lo = (e_lo >> 2) | (e_hi << 30)
+    g_hi = e_hi >> 2
+    words = philox4x32_10((g_lo, g_hi, rng_state[2], rng_state[3]), (rng_state[0], rng_state[1]))
+    lane = e_lo & 3
+    word = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])
+    return word >= keep_threshold(rate)

@@ -1,0 +1,103 @@
+"""The `reference` backend: attention in plain JAX, float32 inside (float64 for float64 inputs).
+
+It materialises the full score matrix, so it is the oracle for the compiled backends and the
+fallback of last resort, not a fast path. It keeps every convention of `docs/kernel_abi.md`:
+rows with no visible key give output 0 and lse = -inf (or the sink), and NaN/inf in invisible
+positions of q, k, v and bias never reach outputs or gradients (masks select, they never multiply).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ._canon import Canonical, Options
+from ._philox import dropout_keep_mask
+
+
+def visibility(arrays: Canonical, options: Options) -> jax.Array:
+    """`bool[B, Hq or 1, Sq, Skv]`: which key each query row may attend to."""
+    bsz, q_seq, _, _ = arrays.q.shape
+    kv_seq = arrays.k.shape[1]
+    i = jnp.arange(q_seq, dtype=jnp.int32)[None, None, :, None]
+    j = jnp.arange(kv_seq, dtype=jnp.int32)[None, None, None, :]
+    q_len = jnp.clip(arrays.q_seqlens, 0, q_seq)[:, None, None, None]
+    kv_len = jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None, None, None]
+    visible = (i < q_len) & (j < kv_len)
+    offset = kv_len - q_len if options.causal == 2 else 0
+    if options.causal:
+        visible &= j <= i + offset
+    if options.window_left >= 0:
+        visible &= j >= i + offset - options.window_left
+    if options.window_right >= 0:
+        visible &= j <= i + offset + options.window_right
+    if arrays.mask is not None:
+        visible &= arrays.mask
+    if arrays.q_segment_ids is not None:
+        visible &= (
+            arrays.q_segment_ids[:, None, :, None] == arrays.kv_segment_ids[:, None, None, :]
+        )
+    return jnp.broadcast_to(visible, (bsz, visible.shape[1], q_seq, kv_seq))
+
+
+def reference_attention(
+    arrays: Canonical, options: Options, *, return_probs: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Returns `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], probs [B,Hq,Sq,Skv] or None)`."""
+    q, k, v = arrays.q, arrays.k, arrays.v
+    bsz, q_seq, q_heads, _ = q.shape
+    _, kv_seq, kv_heads, v_dim = v.shape
+    group = q_heads // kv_heads
+    compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+
+    visible = jnp.broadcast_to(visibility(arrays, options), (bsz, q_heads, q_seq, kv_seq))
+    # Zero out rows and columns that no visible pair touches, so that NaN/inf stored there (as
+    # padding often is) cannot reach a product.
+    row_used = visible.any(axis=-1)  # [B, Hq, Sq]
+    col_used = visible.reshape(bsz, kv_heads, group * q_seq, kv_seq).any(axis=2)  # [B, Hkv, Skv]
+    q = jnp.where(row_used.transpose(0, 2, 1)[..., None], q, 0).astype(compute)
+    k = jnp.where(col_used.transpose(0, 2, 1)[..., None], k, 0).astype(compute)
+    v = jnp.where(col_used.transpose(0, 2, 1)[..., None], v, 0).astype(compute)
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST)
+    logits = logits * options.scale
+    if options.softcap > 0:
+        logits = options.softcap * jnp.tanh(logits / options.softcap)
+    if arrays.bias is not None:
+        logits = logits + jnp.where(visible, arrays.bias.astype(compute), 0)
+    logits = jnp.where(visible, logits, 0)  # safe values where invisible; masked below
+
+    row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    any_visible = jnp.isfinite(row_max)
+    shift = jnp.where(any_visible, row_max, 0)
+    if arrays.sink is not None:
+        sink = arrays.sink.astype(compute)[None, :, None]
+        shift = jnp.where(any_visible, jnp.maximum(row_max, sink), sink)
+    shift = jax.lax.stop_gradient(shift)
+    exp = jnp.where(visible, jnp.exp(logits - shift[..., None]), 0)
+    total = jnp.sum(exp, axis=-1)
+    if arrays.sink is not None:
+        lse = shift + jnp.log(total + jnp.exp(sink - shift))
+    else:
+        safe_total = jnp.where(any_visible, total, 1)
+        lse = jnp.where(any_visible, shift + jnp.log(safe_total), -jnp.inf)
+    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0)
+    probs = jnp.where(visible, jnp.exp(logits - safe_lse[..., None]), 0)
+
+    weights = probs
+    if options.dropout_rate > 0:
+        keep = dropout_keep_mask(
+            arrays.rng_state, options.dropout_rate, bsz, q_heads, q_seq, kv_seq
+        )
+        weights = jnp.where(keep, probs / (1 - options.dropout_rate), 0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=jax.lax.Precision.HIGHEST)
+    del v_dim
+
+    probs_dtype = compute if arrays.q.dtype in (jnp.float32, jnp.float64) else arrays.q.dtype
+    stats_dtype = compute
+    return (
+        out.astype(arrays.q.dtype),
+        lse.astype(stats_dtype),
+        jax.lax.stop_gradient(row_max.astype(stats_dtype)),
+        probs.astype(probs_dtype) if return_probs else None,
+    )
