@@ -73,9 +73,9 @@ def _unfold(axis_size: int, x: jax.Array) -> jax.Array:
     return x.reshape((axis_size, x.shape[0] // axis_size, *x.shape[1:]))
 
 
-def _batching_rule(fn, n_per_batch_tail: int):
+def _batching_rule(fn):
     """A `custom_vmap` rule for a kernel call whose first 11 arguments are the canonical ones and
-    whose remaining `n_per_batch_tail` arguments (and every output) are per batch element."""
+    whose remaining arguments (and every output) are per batch element."""
 
     def rule(axis_size, in_batched, *args):
         shared_batched = any(in_batched[i] and _present(args[i][0]) for i in _SHARED)
@@ -97,7 +97,6 @@ def _batching_rule(fn, n_per_batch_tail: int):
                 folded.append(_fold(axis_size, b, x, per_batch=False, bsz=bsz))
             else:
                 folded.append(_fold(axis_size, b, x, per_batch=True, bsz=bsz))
-        del n_per_batch_tail
         outs = fn(*folded)
         unfolded = tuple(
             _unfold(axis_size, o) if _present(o) else o for o in outs
@@ -125,7 +124,7 @@ def _forward_call(options: Options):
             call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, **_attrs(options))
         )
 
-    forward.def_vmap(_batching_rule(forward, 0))
+    forward.def_vmap(_batching_rule(forward))
     return forward
 
 
@@ -152,7 +151,7 @@ def _backward_call(options: Options):
             )
         )
 
-    backward.def_vmap(_batching_rule(backward, 4))
+    backward.def_vmap(_batching_rule(backward))
     return backward
 
 

@@ -1,0 +1,30 @@
+// pybind11 module attnaux._ext: hands the FFI handlers to attnaux._ffi for registration.
+#include <pybind11/pybind11.h>
+
+#include "flash_cpu.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename Fn>
+py::capsule HandlerCapsule(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler takes an XLA_FFI_CallFrame*");
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "Compiled kernels of attnaux (XLA FFI handlers).";
+  m.def(
+      "registrations",
+      []() {
+        py::dict handlers;
+        handlers["attnaux_flash_fwd"] = HandlerCapsule(AttnauxFlashFwdCpu);
+        handlers["attnaux_flash_bwd"] = HandlerCapsule(AttnauxFlashBwdCpu);
+        return handlers;
+      },
+      "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target.");
+}
