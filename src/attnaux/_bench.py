@@ -9,8 +9,9 @@ Run it as `python -m attnaux bench`. Conventions follow `BENCHMARKS.md`:
   `sum(out * dout)` (a fixed random `dout`) with respect to `q, k, v`, jitted.
 - Peak memory: each (candidate, pass) runs in a fresh subprocess (`python -m attnaux._bench
   _memory ...`) that creates its inputs, compiles ahead of time, resets the process's RSS
-  high-water mark, runs the call twice and reports the peak RSS (`getrusage`) minus the RSS it
-  had before the first call.
+  high-water mark, runs the call twice and reports the peak RSS (`VmHWM`, what `getrusage`'s
+  `ru_maxrss` reports minus what a child inherits from its parent) minus the RSS it had before
+  the first call.
 """
 
 import argparse
@@ -224,7 +225,18 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """The RSS high-water mark of this process's address space (Linux `VmHWM`).
+
+    `getrusage(RUSAGE_SELF).ru_maxrss` is the same figure except that it never goes below the
+    high-water mark the process had before `exec`: in a child started by `subprocess`, that is
+    the parent's RSS at `fork`, so it would hide the child's own peak. `VmHWM` is reset by
+    `_reset_peak_rss` and starts afresh at `exec`; `ru_maxrss` is only the fallback.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _reset_peak_rss() -> bool:
@@ -252,8 +264,9 @@ def measure_memory(candidate: str, pass_: str, shape: Shape) -> dict:
         result = jax.block_until_ready(compiled(*args))
         del result
     peak = _peak_rss_bytes()
-    return dict(peak_increase=peak - baseline, baseline=baseline, peak=peak, temp=temp,
-                output=output, hwm_reset=reset)
+    ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # for the record
+    return dict(peak_increase=peak - baseline, baseline=baseline, peak=peak, ru_maxrss=ru_maxrss,
+                temp=temp, output=output, hwm_reset=reset)
 
 
 def run_memory_child(candidate: str, pass_: str, shape: Shape) -> dict:
@@ -391,8 +404,9 @@ def main(args: argparse.Namespace) -> int:
             "that creates q, k, v, dout, compiles the function ahead of time, "
             + ("resets the RSS high-water mark, " if reset else "(could NOT reset the RSS "
                "high-water mark, so compile-time peaks may be included: an upper bound) ")
-            + "then runs the call twice; the number is peak RSS (getrusage ru_maxrss) minus the "
-            "RSS just before the first call. It includes the outputs (out, or dq/dk/dv) and "
+            + "then runs the call twice; the number is the peak RSS of those calls (VmHWM, the "
+            "high-water mark getrusage's ru_maxrss reports, read from /proc so that it is not "
+            "the parent's RSS inherited at fork) minus the RSS just before the first call. It includes the outputs (out, or dq/dk/dv) and "
             "everything the call allocates, the kernel's own scratch included; runs vary by a few "
             "tens of MiB (allocator arenas, threads). 'XLA temp buffers' and 'output buffers' "
             "are XLA's compiled memory_analysis() (temp_size_in_bytes, output_size_in_bytes): "

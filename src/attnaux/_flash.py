@@ -78,10 +78,12 @@ def _batching_rule(fn):
     whose remaining arguments (and every output) are per batch element."""
 
     def rule(axis_size, in_batched, *args):
-        shared_batched = any(in_batched[i] and _present(args[i][0]) for i in _SHARED)
-        if shared_batched or axis_size == 0:
-            # A sink or dropout state per mapped element cannot share one launch (and folding
-            # would change the dropout counters): run the mapped elements one after another.
+        sink_batched = in_batched[9] and _present(args[9][0])
+        has_dropout = _present(args[10][0] if in_batched[10] else args[10])
+        if sink_batched or has_dropout or axis_size == 0:
+            # A sink per mapped element cannot share one launch, and folding the mapped axis into
+            # the batch would change the dropout counters (so `vmap(f)(x)[n]` would differ from
+            # `f(x[n])` and from `introspect.dropout_mask`): map the elements one after another.
             def one(mapped):
                 it = iter(mapped)
                 return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
