@@ -90,18 +90,26 @@ def _best_time(fn, args, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["x".join(map(str, s)) for s in SHAPES],
-                        help="logits shapes b x h x q x kv (default: %(default)s)")
-    parser.add_argument("--fusions", nargs="+", default=list(FUSIONS),
-                        choices=["scale", "mask", "causal", *FUSIONS])
-    parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"],
-                        choices=["fwd", "fwd+bwd"])
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["x".join(map(str, s)) for s in SHAPES],
+        help="logits shapes b x h x q x kv (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--fusions", nargs="+", default=list(FUSIONS), choices=["scale", "mask", "causal", *FUSIONS]
+    )
+    parser.add_argument(
+        "--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"]
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     fusions = [f if f.startswith("scale") else f"scale+{f}" for f in args.fusions]
 
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
-          file=sys.stderr)
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
+        file=sys.stderr,
+    )
     rows = []
     for spec in args.shapes:
         shape = tuple(int(d) for d in spec.split("x"))
@@ -125,19 +133,27 @@ def main(argv=None):
                     else:
                         fn, fargs = jax.jit(_fwd_bwd(fwd)), (x, mask, dprobs)
                     times[name] = _best_time(fn, fargs, args.repeats)
-                    print(f"  {spec} {fusion} {pass_} {name}: {times[name] * 1e3:.2f} ms",
-                          file=sys.stderr)
+                    print(
+                        f"  {spec} {fusion} {pass_} {name}: {times[name] * 1e3:.2f} ms",
+                        file=sys.stderr,
+                    )
                 rows.append((spec, fusion, pass_, nbytes, times["attnaux"], times["xla"]))
 
-    print(f"\nattnaux.softmax ({impl}) vs jax.nn.softmax (XLA), float32, best of "
-          f"{args.repeats}; bytes: fwd = 8E + M, fwd+bwd = 20E + M\n")
-    print("| shape | fusion | pass | MB | attnaux ms | attnaux GB/s | XLA ms | XLA GB/s | "
-          "ratio (XLA/attnaux) |")
+    print(
+        f"\nattnaux.softmax ({impl}) vs jax.nn.softmax (XLA), float32, best of "
+        f"{args.repeats}; bytes: fwd = 8E + M, fwd+bwd = 20E + M\n"
+    )
+    print(
+        "| shape | fusion | pass | MB | attnaux ms | attnaux GB/s | XLA ms | XLA GB/s | "
+        "ratio (XLA/attnaux) |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for spec, fusion, pass_, nbytes, ta, tx in rows:
-        print(f"| {spec} | {fusion} | {pass_} | {nbytes / 1e6:.0f} | {ta * 1e3:.2f} | "
-              f"{nbytes / ta / 1e9:.2f} | {tx * 1e3:.2f} | {nbytes / tx / 1e9:.2f} | "
-              f"{tx / ta:.2f}x |")
+        print(
+            f"| {spec} | {fusion} | {pass_} | {nbytes / 1e6:.0f} | {ta * 1e3:.2f} | "
+            f"{nbytes / ta / 1e9:.2f} | {tx * 1e3:.2f} | {nbytes / tx / 1e9:.2f} | "
+            f"{tx / ta:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,13 +18,19 @@ See `docs/introspect.md` for a guide with a worked example of each.
 """
 
 from ._dropout import dropout_mask as dropout_mask
-from ._health import HealthReport as HealthReport, health as health
-from ._io import load as load, save as save
+from ._health import HealthReport as HealthReport
+from ._health import health as health
+from ._io import load as load
+from ._io import save as save
 from ._merge import merge as merge
 from ._plot import plot as plot
-from ._recompute import entropy as entropy, recompute_probs as recompute_probs
-from ._stats import max_logit as max_logit, qk_clip as qk_clip, z_loss as z_loss
-from ._vjp import AttnGrads as AttnGrads, attention_vjp as attention_vjp
+from ._recompute import entropy as entropy
+from ._recompute import recompute_probs as recompute_probs
+from ._stats import max_logit as max_logit
+from ._stats import qk_clip as qk_clip
+from ._stats import z_loss as z_loss
+from ._vjp import AttnGrads as AttnGrads
+from ._vjp import attention_vjp as attention_vjp
 
 __all__ = [
     "AttnGrads",

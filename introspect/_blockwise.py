@@ -1,4 +1,4 @@
-"""Shared machinery: attention options in canonical form, and logits recomputed key block by key block.
+"""Shared machinery: options in canonical form, and logits recomputed one key block at a time.
 
 The masking is the one of `attnaux._reference.visibility` (and of `docs/kernel_abi.md`), written
 here for a slice of key positions so that nothing of size `q_seq x kv_seq` is ever formed (the

@@ -195,7 +195,7 @@ def format_table(collection, *, saturation: float = DEFAULT_SATURATION) -> str:
     out = []
     for index, row in enumerate(lines):
         cells = [cell.ljust(w) if c == 0 else cell.rjust(w)
-                 for c, (cell, w) in enumerate(zip(row, widths))]
+                 for c, (cell, w) in enumerate(zip(row, widths, strict=True))]
         out.append("  ".join(cells).rstrip())
         if index == 0:
             out.append("  ".join("-" * w for w in widths))

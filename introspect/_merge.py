@@ -92,7 +92,7 @@ def merge(
     lse = jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)
     lse_safe = jnp.where(seen, lse, 0)
     out = 0
-    for (out_i, _), lse_i in zip(parts, lses):
+    for (out_i, _), lse_i in zip(parts, lses, strict=True):
         w = jnp.where(seen, jnp.exp(lse_i - lse_safe), 0)  # [*batch, q_heads, q_seq]
         out_i = jnp.where(jnp.isfinite(lse_i).swapaxes(-1, -2)[..., None], out_i, 0)
         out = out + jnp.swapaxes(w, -1, -2)[..., None] * out_i.astype(jnp.float32)

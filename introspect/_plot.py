@@ -129,7 +129,9 @@ def plot(
                 if c < np.shape(reports[names[r]].rows)[0]:
                     text = "nan" if np.isnan(value) else ("-inf" if value == -np.inf else
                                                           f"{value:.3g}")
-                    ax.text(c, r, text, ha="center", va="center", fontsize=7, color="white")
+                    bright = np.isfinite(value) and image.norm(value) > 0.6
+                    ax.text(c, r, text, ha="center", va="center", fontsize=7,
+                            color="black" if bright else "white")
     for index in range(n_panels, rows * cols):
         axes[index // cols][index % cols].axis("off")
     fig.tight_layout()

@@ -2,7 +2,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Float32, jaxtyped
+from jaxtyping import Array, Float, jaxtyped
 
 from attnaux._aux import AttnAux
 from attnaux._canon import Canonical, Options
@@ -123,7 +123,7 @@ def entropy(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     **mask_options,
-) -> Float32[Array, "*batch q_heads q_seq"] | Float[Array, "*batch q_heads q_seq"]:
+) -> Float[Array, "*batch q_heads q_seq"]:
     """The entropy `-sum_j P[i, j] log P[i, j]` of every softmax row, computed block by block.
 
     The probabilities are recomputed from `aux.lse` one block of `block_size` keys at a time

@@ -21,7 +21,7 @@ def _check_aux(fn_name: str, aux) -> None:
 
 
 @jaxtyped(typechecker=typechecker)
-def max_logit(aux: AttnAux) -> Float32[Array, "q_heads"]:
+def max_logit(aux: AttnAux) -> Float32[Array, " q_heads"]:
     """The largest attention logit of every head: `aux.max` reduced over batch and rows.
 
     Rows with no visible key (`aux.max = -inf`) take no part; a head whose rows are all masked
@@ -56,7 +56,7 @@ def max_logit(aux: AttnAux) -> Float32[Array, "q_heads"]:
 
 
 @jaxtyped(typechecker=typechecker)
-def qk_clip(aux: AttnAux, threshold: float | Float[Arr, ""]) -> Float32[Array, "q_heads"]:
+def qk_clip(aux: AttnAux, threshold: float | Float[Arr, ""]) -> Float32[Array, " q_heads"]:
     """MuonClip's per-head factors `min(1, threshold / max_logit)`.
 
     A head whose largest logit exceeds `threshold` gets the factor `threshold / max_logit < 1`;
@@ -92,7 +92,7 @@ def qk_clip(aux: AttnAux, threshold: float | Float[Arr, ""]) -> Float32[Array, "
 
 
 @jaxtyped(typechecker=typechecker)
-def z_loss(aux: AttnAux) -> Float32[Array, ""] | Float[Array, ""]:
+def z_loss(aux: AttnAux) -> Float[Array, ""]:
     """The attention z-loss: the mean of `lse**2` over rows that see at least one key.
 
     Penalising the log-sum-exp keeps attention logits from drifting to large magnitudes (the

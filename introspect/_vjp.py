@@ -134,7 +134,8 @@ def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Sums the broadcast dims of a gradient down to `shape` (numpy broadcasting rules)."""
     lead = x.ndim - len(shape)
     x = jnp.sum(x, axis=tuple(range(lead))) if lead > 0 else x
-    axes = tuple(a for a, (got, want) in enumerate(zip(x.shape, shape)) if want == 1 and got != 1)
+    pairs = enumerate(zip(x.shape, shape, strict=True))
+    axes = tuple(a for a, (got, want) in pairs if want == 1 and got != 1)
     return jnp.sum(x, axis=axes, keepdims=True).reshape(shape)
 
 

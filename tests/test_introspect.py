@@ -326,6 +326,17 @@ def test_attention_vjp_jit_vmap_dropout_and_bias_shapes():
     with pytest.raises(ValueError, match="rng_state"):
         ai.attention_vjp(q, k, v, out, ax.attention(q, k, v)[1], dout, dropout_rate=0.25)
 
+    # bfloat16 inputs: gradients in bfloat16, equal to the fused ones up to bfloat16 rounding.
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out, aux = ax.attention(qb, kb, vb, causal=True)
+    doutb = dout.astype(jnp.bfloat16)
+    want = _fused_vjp(qb, kb, vb, dict(causal=True), doutb, jnp.zeros_like(aux.lse))
+    g = ai.attention_vjp(qb, kb, vb, out, aux, doutb, causal=True)
+    for got, w in ((g.q, want[0]), (g.k, want[1]), (g.v, want[2])):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(w, np.float32),
+                                   atol=3e-2, rtol=3e-2)
+
     # vmap over the batch axis gives the per-example gradients.
     opts = dict(causal="bottom_right", kv_seqlens=jnp.array([13, 6]))
     out, aux = ax.attention(q, k, v, **opts)
@@ -389,7 +400,7 @@ def test_custom_backward_example_from_docs():
     plain = lambda q, k, v: ax.attention(q, k, v, causal=True)[0]
     got = jax.jit(jax.grad(loss(clipped_attention), argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         w = np.asarray(w, np.float64)
         norm = np.sqrt(np.sum(w**2, axis=(0, 1, 3)))
         expected = w * np.minimum(1.0, max_norm / norm)[:, None]
@@ -499,7 +510,7 @@ def test_z_loss_value_and_gradient():
 
     g_fused = jax.grad(loss, argnums=(0, 1, 2))(q, k, sink, fused)
     g_ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, sink, "reference")
-    for a, b in zip(g_fused, g_ref):
+    for a, b in zip(g_fused, g_ref, strict=True):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, **GTOL)
     # ... and equals attention_vjp with the z-loss's lse cotangent.

@@ -13,11 +13,10 @@
 Kernel tests skip cleanly when the compiled softmax kernel is not registered.
 """
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import attnaux
 from attnaux import _softmax
@@ -174,8 +173,17 @@ def test_fusions_dtypes(backend, dtype, causal, masked):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "shape",
-    [(1, 1), (3, 1, 1), (2, 4, 1, 7), (2, 1, 113), (1, 3, 5, 7), (2, 2, 6, 4097), (4, 1, 4097),
-     (9, 2), (2, 3, 17, 33)],
+    [
+        (1, 1),
+        (3, 1, 1),
+        (2, 4, 1, 7),
+        (2, 1, 113),
+        (1, 3, 5, 7),
+        (2, 2, 6, 4097),
+        (4, 1, 4097),
+        (9, 2),
+        (2, 3, 17, 33),
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("causal", CAUSALS)
@@ -190,8 +198,9 @@ def test_odd_sizes(backend, shape, causal):
 def test_long_row_65536(backend):
     x = rand((1, 2, 2, 65536), seed=5, scale=4.0)
     probs, aux = softmax(x, scale=1.5, causal="bottom_right", backend=backend)
-    check_against_numpy(x, probs, aux, scale=1.5, mask=None, causal="bottom_right",
-                        kv_tol_scale=5.0)
+    check_against_numpy(
+        x, probs, aux, scale=1.5, mask=None, causal="bottom_right", kv_tol_scale=5.0
+    )
 
 
 @pytest.mark.slow
@@ -206,8 +215,15 @@ def test_size_sweep(backend, dtype, kv_seq, q_seq):
     mask = rand_mask((q_seq, kv_seq), seed=kv_seq, p=0.9)
     for causal in (False, True, "bottom_right"):
         probs, aux = softmax(x, scale=0.9, mask=mask, causal=causal, backend=backend)
-        check_against_numpy(x, probs, aux, scale=0.9, mask=mask, causal=causal,
-                            kv_tol_scale=5.0 if kv_seq > 5000 else 1.0)
+        check_against_numpy(
+            x,
+            probs,
+            aux,
+            scale=0.9,
+            mask=mask,
+            causal=causal,
+            kv_tol_scale=5.0 if kv_seq > 5000 else 1.0,
+        )
 
 
 MASK_SHAPES = [
@@ -234,7 +250,8 @@ def test_broadcast_masks(backend, mask_shape):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "mask_shape", [(2, 1, 4, 1, 5, 6), (2, 1, 1, 3, 5, 6), (1, 3, 4, 1, 1, 6), (2, 3, 1, 1, 1, 1)],
+    "mask_shape",
+    [(2, 1, 4, 1, 5, 6), (2, 1, 1, 3, 5, 6), (1, 3, 4, 1, 1, 6), (2, 3, 1, 1, 1, 1)],
     ids=str,
 )
 def test_broadcast_masks_many_batch_dims(backend, mask_shape):
@@ -255,8 +272,6 @@ def test_against_jax_nn_softmax(backend, causal):
     vis = jnp.asarray(visible_np(shape, mask, causal))
     expected = jax.nn.softmax(jnp.where(vis, 0.3 * x, -jnp.inf), axis=-1)
     expected_lse = jax.nn.logsumexp(jnp.where(vis, 0.3 * x, -jnp.inf), axis=-1)
-    if causal == "bottom_right":  # the last key is always visible there
-        pass
     probs, aux = softmax(x, scale=0.3, mask=mask, causal=causal, backend=backend)
     rows = np.isfinite(np.asarray(expected_lse))
     assert_close(np.asarray(probs)[rows], np.asarray(expected)[rows], PROBS_TOL[jnp.dtype(x.dtype)])
@@ -281,8 +296,8 @@ def test_auto_picks_kernel_when_available():
     x = rand((2, 3, 4))
     _, aux = softmax(x)
     assert aux.backend == ("kernel" if HAS_KERNEL else "reference")
-    _, aux64 = softmax(np.zeros((2, 3), np.float64))  # float64: reference only (x64 off: f32)
-    assert aux64.backend in ("kernel", "reference")
+    _, aux64 = softmax(np.zeros((2, 3), np.float64))  # float64 is float32 without x64
+    assert aux64.backend == ("kernel" if HAS_KERNEL else "reference")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,7 +322,7 @@ def test_fully_masked_rows(backend, dtype):
         assert (np.asarray(aux.max)[empty] == -np.inf).all()
         check_against_numpy(xx, probs, aux, scale=2.0, mask=m, causal=causal)
 
-        def loss(xx):
+        def loss(xx, m=m, causal=causal, empty=empty):
             p, a = softmax(xx, scale=2.0, mask=m, causal=causal, backend=backend)
             return jnp.sum(p.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(empty, a.lse, 0.0))
 
@@ -347,7 +362,9 @@ def test_zero_sizes(backend, shape):
 # ------------------------------------------------------------------------------------------------
 def probe(probs, lse, w, u):
     """sum(probs * w) + sum(lse * u) over rows with a finite lse: both cotangents at once."""
-    return jnp.sum(probs.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * u, 0))
+    return jnp.sum(probs.astype(jnp.float32) * w) + jnp.sum(
+        jnp.where(jnp.isfinite(lse), lse * u, 0)
+    )
 
 
 def grads(x, w, u, **kwargs):
@@ -358,11 +375,18 @@ def grads(x, w, u, **kwargs):
     return jax.jit(jax.grad(loss))(x)
 
 
+GRAD_CASES = [
+    pytest.param(jnp.float32, which, id=f"f32-{which}") for which in ("probs", "lse", "both")
+] + [
+    pytest.param(jnp.bfloat16, "both", id="bf16-both"),
+    pytest.param(jnp.float16, "both", id="f16-both"),
+]
+
+
 @requires_kernel
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,which", GRAD_CASES)
 @pytest.mark.parametrize("causal", CAUSALS)
-@pytest.mark.parametrize("which", ["probs", "lse", "both"])
-def test_kernel_grad_vs_reference_path(dtype, causal, which):
+def test_kernel_grad_vs_reference_path(dtype, which, causal):
     shape = (2, 3, 7, 50)
     x = rand(shape, dtype, seed=20)
     mask = rand_mask((2, 1, 7, 50), seed=21)
@@ -412,8 +436,15 @@ def test_grad_vs_float64_finite_differences(backend):
         return np.sum(p * w) + np.sum(np.where(np.isfinite(lse), lse * u, 0.0))
 
     g = np.asarray(
-        grads(x, jnp.asarray(w, jnp.float32), jnp.asarray(u, jnp.float32), scale=scale,
-              mask=jnp.asarray(mask), causal=causal, backend=backend),
+        grads(
+            x,
+            jnp.asarray(w, jnp.float32),
+            jnp.asarray(u, jnp.float32),
+            scale=scale,
+            mask=jnp.asarray(mask),
+            causal=causal,
+            backend=backend,
+        ),
         np.float64,
     )
     x64 = np.asarray(x, np.float64)
@@ -480,7 +511,7 @@ def test_vmap_matches_loop(backend, in_axes, mask_shape):
         want = loop(lambda m: f(x, m), mask)
     else:
         want = loop(f, x, mask)
-    for g, w_ in zip(got, want):
+    for g, w_ in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w_, rtol=1e-6, atol=1e-7)
 
 
@@ -496,8 +527,9 @@ def test_nested_vmap_and_vmap_of_grad(backend):
 
     inner = jax.vmap(jax.grad(loss), in_axes=(0, 0))  # over the 3 (mask mapped too)
     got = jax.jit(jax.vmap(inner, in_axes=(0, None)))(x, mask)
-    want = jnp.stack([jnp.stack([jax.grad(loss)(x[a, b], mask[b]) for b in range(3)])
-                      for a in range(2)])
+    want = jnp.stack(
+        [jnp.stack([jax.grad(loss)(x[a, b], mask[b]) for b in range(3)]) for a in range(2)]
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # grad of vmap
     g2 = jax.grad(lambda x: jnp.sum(jax.vmap(loss)(x, mask)))(x[0])
@@ -528,14 +560,29 @@ def test_exported_from_attnaux():
 # softmax_kernel_available
 # ------------------------------------------------------------------------------------------------
 def test_kernel_available_api():
-    res = softmax_kernel_available((2, 4, 16, 16), jnp.bfloat16, mask=jnp.ones((16, 16), bool),
-                                   causal="bottom_right")
+    res = softmax_kernel_available(
+        (2, 4, 16, 16), jnp.bfloat16, mask=jnp.ones((16, 16), bool), causal="bottom_right"
+    )
     ok, reason = res
     assert bool(res) is ok is HAS_KERNEL and isinstance(reason, str) and reason
     assert bool(softmax_kernel_available(rand((3, 4)))) is HAS_KERNEL
     assert bool(softmax_kernel_available(jax.ShapeDtypeStruct((3, 4), jnp.float16))) is HAS_KERNEL
-    ok64, why64 = softmax_kernel_available((3, 4), np.float64)
+    with jax.enable_x64(True):
+        ok64, why64 = softmax_kernel_available((3, 4), np.float64)
     assert not ok64 and "float64" in why64
+
+
+def test_float64_runs_on_the_reference_path():
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng(41).standard_normal((2, 3, 5, 9)))
+        mask = rand_mask((5, 9), seed=42)
+        probs, aux = softmax(x, scale=0.3, mask=mask, causal=True)
+        assert aux.backend == "reference" and probs.dtype == jnp.float64
+        p64, lse64, _ = softmax_np(x, 0.3, mask, True)
+        assert_close(probs, p64, (1e-12, 1e-14), "probs")
+        assert_close(aux.lse, lse64, (1e-12, 1e-14), "lse")
+        with pytest.raises(ValueError, match="backend='kernel'.*float64"):
+            softmax(x, backend="kernel")
 
 
 @pytest.mark.skipif(HAS_KERNEL, reason="the kernel is registered here")
@@ -548,15 +595,27 @@ def test_kernel_backend_raises_without_kernel():
 # Bad input
 # ------------------------------------------------------------------------------------------------
 BAD = [
-    (dict(logits=jnp.zeros((4,))), ValueError, r"`logits` must have shape .*at least.*got shape \(4,\)"),
+    (
+        dict(logits=jnp.zeros((4,))),
+        ValueError,
+        r"`logits` must have shape .*at least.*got shape \(4,\)",
+    ),
     (dict(logits=jnp.zeros(())), ValueError, r"`logits` must have shape"),
-    (dict(logits=jnp.zeros((3, 4), jnp.int32)), TypeError, r"`logits` must have a floating dtype.*int32"),
+    (
+        dict(logits=jnp.zeros((3, 4), jnp.int32)),
+        TypeError,
+        r"`logits` must have a floating dtype.*int32",
+    ),
     (dict(logits=jnp.zeros((3, 4), bool)), TypeError, r"`logits` must have a floating dtype.*bool"),
     (dict(logits=[[1.0, 2.0]]), TypeError, r"`logits` must be a JAX or NumPy array.*list"),
     (dict(mask=jnp.ones((2, 3, 4))), TypeError, r"`mask` must be a boolean array.*float32"),
     (dict(mask=jnp.ones((3, 4), jnp.int32)), TypeError, r"`mask` must be a boolean array.*int32"),
     (dict(mask=jnp.ones((5,), bool)), ValueError, r"`mask` of shape \(5,\) does not broadcast"),
-    (dict(mask=jnp.ones((3, 3, 4), bool)), ValueError, r"`mask` of shape \(3, 3, 4\) does not broadcast"),
+    (
+        dict(mask=jnp.ones((3, 3, 4), bool)),
+        ValueError,
+        r"`mask` of shape \(3, 3, 4\) does not broadcast",
+    ),
     (dict(mask=jnp.ones((1, 1, 2, 3, 4), bool)), ValueError, r"`mask` .* more dimensions"),
     (dict(mask=[[True]]), TypeError, r"`mask` must be None or a boolean"),
     (dict(backend="flash"), ValueError, r"`backend` must be one of 'auto', 'kernel', 'reference'"),
@@ -599,7 +658,12 @@ def test_kernel_available_bad_input():
         (np.ones((2, 3, 3), bool), {}, None, r"`mask` of shape \[2, 3, 3\] does not broadcast"),
         (np.ones((3, 1, 1), bool), {}, None, r"`mask` leading size 3"),
         (np.ones((1, 4, 5), np.float32), {}, None, r"`mask` must be PRED"),
-        (np.zeros((0,), bool), dict(causal=np.int32(3)), None, r"attribute `causal` must be 0, 1 or 2"),
+        (
+            np.zeros((0,), bool),
+            dict(causal=np.int32(3)),
+            None,
+            r"attribute `causal` must be 0, 1 or 2",
+        ),
         (np.ones((2, 4, 5), bool), dict(mask_div=np.int64(0)), None, r"`mask_div` must be >= 1"),
         (np.zeros((0,), bool), {}, ((2, 4, 5), (2, 5)), r"outputs `lse` and `max` must be F32"),
         (np.zeros((0,), bool), {}, ((2, 4, 6), (2, 4)), r"output `probs` must have"),
@@ -611,9 +675,11 @@ def test_ffi_handler_validates(mask, attrs, outs, match):
     probs_shape, stats_shape = outs or ((2, 4, 5), (2, 4))
     call = jax.ffi.ffi_call(
         _softmax.FWD_TARGET,
-        (jax.ShapeDtypeStruct(probs_shape, jnp.float32),
-         jax.ShapeDtypeStruct(stats_shape, jnp.float32),
-         jax.ShapeDtypeStruct(stats_shape, jnp.float32)),
+        (
+            jax.ShapeDtypeStruct(probs_shape, jnp.float32),
+            jax.ShapeDtypeStruct(stats_shape, jnp.float32),
+            jax.ShapeDtypeStruct(stats_shape, jnp.float32),
+        ),
     )
     attrs = dict(dict(scale=np.float32(1.0), causal=np.int32(0), mask_div=np.int64(1)), **attrs)
     with pytest.raises(Exception, match=match):

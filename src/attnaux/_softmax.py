@@ -92,7 +92,8 @@ def _check_logits(logits: Any) -> tuple[tuple[int, ...], jnp.dtype]:
             "`logits` must be a JAX or NumPy array of shape [*batch, heads, q_seq, kv_seq]; got "
             f"an object of type {type(logits).__name__}."
         )
-    shape, dtype = tuple(logits.shape), jnp.dtype(logits.dtype)
+    shape = tuple(logits.shape)
+    dtype = jnp.dtype(jax.dtypes.canonicalize_dtype(logits.dtype))  # float64 -> 32 without x64
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(
             "`logits` must have a floating dtype (float32, bfloat16 or float16; float64 runs on "
@@ -129,7 +130,7 @@ def _check_mask(mask: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
             f"broadcast to {layout}."
         )
     padded = (1,) * (len(shape) - len(mshape)) + mshape
-    for got, want in zip(padded, shape):
+    for got, want in zip(padded, shape, strict=True):
         if got not in (1, want):
             raise ValueError(
                 f"`mask` of shape {mshape} does not broadcast to {layout}: aligned from the "
@@ -153,7 +154,9 @@ def _mask_layout(shape: tuple[int, ...], padded: tuple[int, ...] | None):
     lead = shape[:-2]
     if padded is None:
         return 1, None
-    varying = [d for d, (m, s) in enumerate(zip(padded[:-2], lead)) if m == s and s != 1]
+    varying = [
+        d for d, (m, s) in enumerate(zip(padded[:-2], lead, strict=True)) if m == s and s != 1
+    ]
     if not varying:
         return 1, None
     first, last = varying[0], varying[-1]
@@ -239,7 +242,9 @@ def softmax_kernel_available(
     x = logits_shape_or_array
     if isinstance(x, (tuple, list)):
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in x):
-            raise TypeError(f"`logits_shape_or_array` as a shape must be a tuple of ints; got {x!r}.")
+            raise TypeError(
+                f"`logits_shape_or_array` as a shape must be a tuple of ints; got {x!r}."
+            )
         x = jax.ShapeDtypeStruct(tuple(int(d) for d in x), jnp.float32 if dtype is None else dtype)
     elif dtype is not None and hasattr(x, "dtype") and jnp.dtype(dtype) != jnp.dtype(x.dtype):
         raise TypeError(
@@ -350,7 +355,7 @@ def _unfold(axis_size: int, n: int, x: jax.Array) -> jax.Array:
     return x.reshape((axis_size, n, *x.shape[1:]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_call(options: Options):
     @custom_vmap
     def forward(logits, mask):
@@ -391,7 +396,7 @@ def _forward_call(options: Options):
     return forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backward_call(scale: float):
     @custom_vmap
     def backward(probs, dprobs, dlse):
@@ -408,7 +413,9 @@ def _backward_call(scale: float):
     @backward.def_vmap
     def rule(axis_size, in_batched, probs, dprobs, dlse):
         n = probs.shape[1] if in_batched[0] else probs.shape[0]
-        args = [_fold(axis_size, b, x) for x, b in zip((probs, dprobs, dlse), in_batched)]
+        args = [
+            _fold(axis_size, b, x) for x, b in zip((probs, dprobs, dlse), in_batched, strict=True)
+        ]
         return _unfold(axis_size, n, backward(*args)), True
 
     return backward
