@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "attention_validate.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -308,6 +309,24 @@ ffi::Error FlashBackwardImpl(
 }
 
 }  // namespace
+
+ffi::Error ValidateAttentionInputs(
+    const std::string& target, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+    ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+    ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+    ffi::Buffer<ffi::U32> rng_state, float scale, float softcap, int32_t causal,
+    int64_t window_left, int64_t window_right, float dropout_rate, FlashParams* p) {
+  ffi::Error error = BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                 kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                 window_left, window_right, dropout_rate, p);
+  if (error.success()) return error;
+  std::string message = error.message();
+  const std::string flash = "attnaux_flash";
+  if (message.compare(0, flash.size(), flash) == 0) message = target + message.substr(flash.size());
+  return ffi::Error::InvalidArgument(message);
+}
+
 }  // namespace attnaux::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -97,7 +97,7 @@ class Layout(NamedTuple):
 
     block: int  # keys per block
     n_blocks: int
-    padded: int  # block * n_blocks >= kv_seq
+    padded: int  # block * n_blocks >= kv_seq (0 when kv_seq is 0)
 
 
 def layout(kv_seq: int, block_size: int) -> Layout:
@@ -114,7 +114,8 @@ def kv_full(x: jax.Array, kv_seq: int) -> bool:
 def pad_keys(arrays: Canonical, lay: Layout) -> Canonical:
     """Pads every array with a key axis to `lay.padded` keys (padding is never visible)."""
     kv_seq = arrays.k.shape[1]
-    extra = lay.padded - kv_seq
+    # At least one block's worth, so that slicing traces even when there are no keys at all.
+    extra = max(lay.padded, lay.block) - kv_seq
 
     def pad(x, axis):
         if x is None or extra == 0:

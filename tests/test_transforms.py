@@ -433,10 +433,6 @@ def test_max_carries_no_gradient(backend):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     for name, g in zip("q k v bias".split(), grads):
         assert np.all(np.asarray(g) == 0), f"d sum(aux.max) / d {name} is not zero"
-    # forward-mode too: the tangent of max is zero
-    _, tangents = jax.jvp(lambda q: attnaux.attention(q, k, v, backend=backend)[1].max,
-                          (q,), (jnp.ones_like(q),))
-    assert np.all(np.asarray(tangents) == 0)
     # whereas max itself is the real row maximum (so the test above is not vacuous)
     _, aux = attnaux.attention(q, k, v, bias=bias, mask=mask, backend=backend)
     assert np.all(np.isfinite(np.asarray(aux.max)))

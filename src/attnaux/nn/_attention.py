@@ -19,7 +19,7 @@ _ProcessHeads = Callable[
 
 
 class MultiheadAttention(eqx.Module):
-    """A drop-in for [`equinox.nn.MultiheadAttention`][] that returns `(out, aux)`.
+    """A drop-in for `equinox.nn.MultiheadAttention` that returns `(out, aux)`.
 
     Same constructor arguments, field names and parameter shapes as equinox's layer (so the
     weights of one load into the other), same call signature; the attention itself runs on
@@ -79,7 +79,7 @@ class MultiheadAttention(eqx.Module):
     ):
         """**Arguments:**
 
-        The arguments of [`equinox.nn.MultiheadAttention`][] (`num_heads`, `query_size`,
+        The arguments of `equinox.nn.MultiheadAttention` (`num_heads`, `query_size`,
         `key_size`, `value_size`, `output_size`, `qk_size`, `vo_size`, `use_*_bias`,
         `dropout_p`, `inference`, `dtype`, `key`), and, keyword-only:
 
