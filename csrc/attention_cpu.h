@@ -495,7 +495,9 @@ inline void ForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b, int6
     VecF alpha[kQVectors];
     for (int v = 0; v < kQVectors; ++v) {
       VecF tile_max = Splat(-kInf);
-      for (int64_t r = 0; r < nk; ++r) tile_max = Max(tile_max, Load(st + r * kBlockQ + v * kLanes));
+      for (int64_t r = 0; r < nk; ++r) {
+        tile_max = Max(tile_max, Load(st + r * kBlockQ + v * kLanes));
+      }
       VecF m_new = Max(m[v], tile_max);
       // A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (exp(-inf) = 0).
       VecF m_use = m_new == -kInf ? VecF{} : m_new;
@@ -512,7 +514,9 @@ inline void ForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b, int6
     }
     if (hv.dropout()) {
       DropoutTile(hv, i0, valid, j0, j1, drop);
-      for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) Store(st + x, Load(st + x) * Load(drop + x));
+      for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
+        Store(st + x, Load(st + x) * Load(drop + x));
+      }
     }
     for (int64_t x = 0; x < dv; ++x) {
       for (int v = 0; v < kQVectors; ++v) {
@@ -552,7 +556,9 @@ inline void ForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b, int6
     const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
     outputs.lse[stat] = lse;
     outputs.max[stat] = mx;
-    for (int64_t x = 0; x < dv; ++x) out_row[x] = factor == 0.0f ? 0.0f : ot[x * kBlockQ + lane] * factor;
+    for (int64_t x = 0; x < dv; ++x) {
+      out_row[x] = factor == 0.0f ? 0.0f : ot[x * kBlockQ + lane] * factor;
+    }
     StoreRow(p.elem, outputs.out, ((b * p.q_len + i) * p.q_heads + h) * dv, dv, out_row.data());
   }
 }
@@ -665,9 +671,11 @@ inline void PackQ(const FlashParams& p, const BackwardInputs& in, int64_t b, int
 // accumulated when non-null; dqt ([D][BQ] of query block ib) and dbias when dqt is non-null.
 // Never inlined: both backward schemes must run the very same machine code (with contraction
 // into FMAs decided once), or they would differ in the last bit.
-__attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvPack& kv, const QPack& qs,
-                         const QPackLayout& ql, int64_t ib, int64_t jb, float* dk_block,
-                         float* dv_block, float* dqt, float* dbias, TileScratch& scratch) {
+__attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvPack& kv,
+                                                   const QPack& qs, const QPackLayout& ql,
+                                                   int64_t ib, int64_t jb, float* dk_block,
+                                                   float* dv_block, float* dqt, float* dbias,
+                                                   TileScratch& scratch) {
   const FlashParams& p = hv.p;
   const int64_t d = p.head_dim, dv = p.v_dim;
   const int64_t i0 = ib * kBlockQ;

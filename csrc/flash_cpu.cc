@@ -108,8 +108,8 @@ ffi::Error BuildParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   } else if (dtype == ffi::DataType::F16) {
     p->elem = Elem::kF16;
   } else {
-    return ffi::Error::InvalidArgument("attnaux_flash: q must be float32, bfloat16 or float16, got " +
-                                       DtypeName(dtype) + ".");
+    return ffi::Error::InvalidArgument(
+        "attnaux_flash: q must be float32, bfloat16 or float16, got " + DtypeName(dtype) + ".");
   }
   if (k.element_type() != dtype || v.element_type() != dtype) {
     return ffi::Error::InvalidArgument("attnaux_flash: q, k and v must share one dtype, got " +

@@ -15,7 +15,7 @@ DEFAULT_SATURATION = 0.01
 
 
 class HealthReport(eqx.Module):
-    """Per-head health of one attention call, from its `AttnAux`; what [`health`][] returns.
+    """Per-head health of one attention call, as [`attnaux.introspect.health`][] returns it.
 
     Every field is an array over the query heads (the last axis; leading axes appear only when
     `health` is `jax.vmap`ped). "Rows" are softmax rows, counted over all batch elements.

@@ -382,6 +382,19 @@ def test_validation_messages():
         ai.health(aux, saturation=0.0)
 
 
+def test_zero_length_sequences():
+    for sq, skv in ((3, 0), (0, 4)):
+        q, k = jnp.ones((2, sq, 2, 4)), jnp.ones((2, skv, 1, 4))
+        out, aux = ax.attention(q, k, k)
+        assert ai.recompute_probs(q, k, aux).shape == (2, 2, sq, skv)
+        np.testing.assert_array_equal(ai.entropy(q, k, aux), np.zeros((2, 2, sq)))
+        g = ai.attention_vjp(q, k, k, out, aux, jnp.ones_like(out))
+        assert g.q.shape == q.shape and g.k.shape == k.shape
+        assert np.all(np.asarray(g.q) == 0) and np.all(np.asarray(g.k) == 0)
+        assert ai.z_loss(aux) == 0
+        assert np.all(np.asarray(ai.max_logit(aux)) == -np.inf)
+
+
 # ----------------------------------------------------------------------------- custom backward
 def _docs_block(marker: str) -> str:
     text = DOCS.read_text()

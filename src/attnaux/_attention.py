@@ -9,6 +9,7 @@ from ._aux import AttnAux
 from ._canon import canonicalize, parse_causal, parse_window, _static_float
 from ._dispatch import Explanation, check_backend, choose
 from ._flash import flash_attention
+from ._probs import probs_attention
 from ._reference import reference_attention
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
@@ -60,6 +61,10 @@ def _attention_jit(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv
     if choice.backend == "flash":
         out, lse, row_max = flash_attention(arrays, options)
         probs = None
+    elif choice.backend in ("probs", "small_seq"):
+        out, lse, row_max, probs = probs_attention(
+            arrays, options, kind=choice.backend, return_probs=statics["return_probs"]
+        )
     else:
         out, lse, row_max, probs = reference_attention(
             arrays, options, return_probs=statics["return_probs"]

@@ -8,8 +8,14 @@ import jax.numpy as jnp
 from . import _ffi
 from ._canon import Problem
 from ._flash import FWD_TARGET
+from ._probs import SMALL_SEQ_MAX_KV_SEQ, TARGETS as _PROBS_TARGETS
 
 BACKENDS = ("auto", "flash", "probs", "small_seq", "reference")
+
+AUTO_PROBS_MAX_KV_SEQ = 512
+"""`backend="auto"` picks `probs` (which saves the probabilities for its backward) over `flash`
+when `kv_seq` is at most this, and for any length when `return_probs=True`. Above it, `flash`'s
+O(seq) memory wins."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,42 +54,90 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def _flash_unavailable(problem: Problem, platform: str, return_probs: bool) -> str | None:
-    if return_probs:
-        return "does not save the probabilities (return_probs=True)"
+def _compiled_unavailable(problem: Problem, platform: str, target: str) -> str | None:
     if problem.arrays.q.dtype == jnp.float64:
         return "float64 inputs run only on the reference backend"
-    if not _ffi.has_target(FWD_TARGET, platform):
+    if not _ffi.has_target(target, platform):
         if _ffi.IMPORT_ERROR is not None:
             return f"the compiled extension is not available ({_ffi.IMPORT_ERROR})"
         return f"no compiled implementation for the {platform!r} platform in this build"
     return None
 
 
+def _flash_unavailable(problem: Problem, platform: str, return_probs: bool) -> str | None:
+    if return_probs:
+        return (
+            "does not save the probabilities (return_probs=True); use backend='probs' (any "
+            f"shape), 'small_seq' (q_seq == 1 and kv_seq <= {SMALL_SEQ_MAX_KV_SEQ}), "
+            "'reference' or 'auto'"
+        )
+    return _compiled_unavailable(problem, platform, FWD_TARGET)
+
+
+def _small_seq_unavailable(problem: Problem, platform: str) -> str | None:
+    q_seq, kv_seq = problem.arrays.q.shape[1], problem.arrays.k.shape[1]
+    if q_seq != 1 or kv_seq > SMALL_SEQ_MAX_KV_SEQ:
+        return (
+            f"it needs q_seq == 1 and kv_seq <= {SMALL_SEQ_MAX_KV_SEQ} (one query row against a "
+            f"handful of keys); got q_seq={q_seq} and kv_seq={kv_seq}"
+        )
+    return _compiled_unavailable(problem, platform, _PROBS_TARGETS["small_seq"][0])
+
+
 def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
-    """Picks the backend for a validated call; raises if an explicit request cannot be served."""
+    """Picks the backend for a validated call; raises if an explicit request cannot be served.
+
+    `auto` prefers, in order: `small_seq` whenever the static shapes fit (q_seq == 1 and
+    kv_seq <= 16); `probs` when `return_probs=True` or kv_seq <= `AUTO_PROBS_MAX_KV_SEQ`;
+    `flash`; and `reference` when no compiled backend can serve the call.
+    """
     backend = check_backend(backend)
     platform = _platform()
-    reasons: dict[str, str] = {}
-
+    kv_seq = problem.arrays.k.shape[1]
     flash_no = _flash_unavailable(problem, platform, return_probs)
-    reasons["flash"] = flash_no or "serves every option here; O(seq) memory"
-    not_built = "not implemented in this version of attnaux"
-    reasons["probs"] = not_built
-    reasons["small_seq"] = not_built
-    reasons["reference"] = "pure JAX; materialises the q_seq x kv_seq scores"
+    probs_no = _compiled_unavailable(problem, platform, _PROBS_TARGETS["probs"][0])
+    small_no = _small_seq_unavailable(problem, platform)
+    reasons = {
+        "flash": flash_no or "serves every option here; O(seq) memory",
+        "probs": probs_no or "serves every option here; saves the probabilities "
+        "[B, q_heads, q_seq, kv_seq] when training or when return_probs=True",
+        "small_seq": small_no or f"the static shapes fit (q_seq == 1, kv_seq={kv_seq} <= "
+        f"{SMALL_SEQ_MAX_KV_SEQ}): one query row against a handful of keys per (batch, head)",
+        "reference": "pure JAX; materialises the q_seq x kv_seq scores",
+    }
 
     if backend == "auto":
-        chosen = "flash" if flash_no is None else "reference"
-        if chosen == "reference":
-            reasons["reference"] += "; chosen because flash cannot serve this call"
+        if small_no is None:
+            chosen = "small_seq"
+            reasons["small_seq"] += "; chosen whenever the static shapes fit"
+            for other, other_no in (("flash", flash_no), ("probs", probs_no)):
+                if other_no is None:
+                    reasons[other] += "; not chosen: small_seq serves this shape"
+        elif probs_no is None and (return_probs or kv_seq <= AUTO_PROBS_MAX_KV_SEQ):
+            chosen = "probs"
+            why = ("return_probs=True" if return_probs else
+                   f"kv_seq={kv_seq} <= {AUTO_PROBS_MAX_KV_SEQ} (AUTO_PROBS_MAX_KV_SEQ)")
+            reasons["probs"] += f"; chosen because {why}"
+            if flash_no is None:
+                reasons["flash"] += (
+                    f"; not chosen: probs is preferred for kv_seq <= {AUTO_PROBS_MAX_KV_SEQ}"
+                )
+        elif flash_no is None:
+            chosen = "flash"
+            if probs_no is None:
+                reasons["probs"] += (
+                    f"; not chosen: kv_seq={kv_seq} > {AUTO_PROBS_MAX_KV_SEQ} "
+                    "(AUTO_PROBS_MAX_KV_SEQ), where flash's O(seq) memory wins"
+                )
+        else:
+            chosen = "reference"
+            reasons["reference"] += "; chosen because no compiled backend can serve this call"
     else:
         chosen = backend
-        why_not = {"flash": flash_no, "probs": not_built, "small_seq": not_built}.get(chosen)
+        why_not = {"flash": flash_no, "probs": probs_no, "small_seq": small_no}.get(chosen)
         if why_not is not None:
             raise ValueError(f"backend={chosen!r} cannot serve this call: {why_not}.")
-    implementation = {
-        "flash": f"C++ (XLA FFI, {platform})",
-        "reference": "pure JAX (XLA)",
-    }[chosen]
+    implementation = (
+        "pure JAX (XLA)" if chosen == "reference" else f"C++ (XLA FFI, {platform})"
+    )
     return Explanation(chosen, implementation, platform, reasons)

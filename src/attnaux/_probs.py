@@ -1,0 +1,159 @@
+"""The probability-saving backends, `probs` and `small_seq`: compiled kernels behind `jax.custom_vjp`.
+
+Both primitives share one ABI (`docs/kernel_abi.md`, "The probability-saving primitives"): the
+forward returns `out, lse, max` and the probabilities `P` (`[B, Hq, Sq, Skv]`, before dropout, in
+the input dtype), and the backward reads `P` instead of recomputing it. `probs` serves any shape
+(its kernels work on blocks of query rows against every key they see); `small_seq` is specialised
+for one query row against at most `SMALL_SEQ_MAX_KV_SEQ` keys and very large batches.
+
+- Without differentiation and without `return_probs`, the forward does not write `P` at all (its
+  output is an empty `(0,)` array), so inference pays nothing for the backend's residual.
+- Under `jax.grad`, `P` is the residual of the backward.
+- `aux.probs` is differentiable: the backward takes the cotangent of `P` too (a symbolic zero when
+  nothing depends on `P`, and then no dense zero is ever built).
+
+`jax.vmap` is handled like `flash`'s: the mapped axis is folded into the kernel's batch dimension
+(see `_flash._batching_rule`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import SymbolicZero
+
+from ._canon import Canonical, Options
+from ._flash import _attrs, _batching_rule, _present, kernel_args
+
+# Shape limits of `small_seq` (also checked by its kernel).
+SMALL_SEQ_MAX_KV_SEQ = 16
+
+TARGETS = {
+    "probs": ("attnaux_probs_fwd", "attnaux_probs_bwd"),
+    "small_seq": ("attnaux_small_seq_fwd", "attnaux_small_seq_bwd"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(kind: str, options: Options, write_probs: bool):
+    target = TARGETS[kind][0]
+
+    @custom_vmap
+    def forward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng):
+        bsz, q_seq, q_heads, _ = q.shape
+        kv_seq, v_dim = k.shape[1], v.shape[-1]
+        probs_shape = (bsz, q_heads, q_seq, kv_seq) if write_probs else (0,)
+        call = jax.ffi.ffi_call(
+            target,
+            (
+                jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v_dim), q.dtype),
+                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+                jax.ShapeDtypeStruct(probs_shape, q.dtype),
+            ),
+        )
+        return tuple(
+            call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, **_attrs(options))
+        )
+
+    forward.def_vmap(_batching_rule(forward))
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_call(kind: str, options: Options):
+    target = TARGETS[kind][1]
+
+    @custom_vmap
+    def backward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, dout, probs, dlse,
+                 dprobs):
+        bsz, q_seq, q_heads, _ = q.shape
+        kv_seq = k.shape[1]
+        dbias_shape = (bsz, q_heads, q_seq, kv_seq) if _present(bias) else (0,)
+        call = jax.ffi.ffi_call(
+            target,
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            ),
+        )
+        return tuple(
+            call(
+                q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, dout, probs, dlse,
+                dprobs, **_attrs(options),
+            )
+        )
+
+    backward.def_vmap(_batching_rule(backward))
+    return backward
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _probs_attention(kind: str, options: Options, return_probs: bool, *args: jax.Array):
+    # Not differentiated: P is written only when it is returned.
+    return _forward_call(kind, options, return_probs)(*args)
+
+
+def _probs_fwd(kind: str, options: Options, return_probs: bool, *args):
+    args = tuple(a.value for a in args)  # CustomVJPPrimal (symbolic_zeros=True)
+    out, lse, row_max, probs = _forward_call(kind, options, True)(*args)
+    primal_probs = probs if return_probs else jnp.zeros((0,), probs.dtype)
+    return (out, lse, row_max, primal_probs), (args, out, lse, probs)
+
+
+def _is_zero(ct) -> bool:
+    return ct is None or isinstance(ct, SymbolicZero)
+
+
+def _probs_bwd(kind: str, options: Options, return_probs: bool, residuals, cotangents):
+    args, out, lse, probs = residuals
+    dout, dlse, _, dprobs = cotangents  # the row max carries no gradient
+    dout = jnp.zeros_like(out) if _is_zero(dout) else dout.astype(out.dtype)
+    dlse = jnp.zeros_like(lse) if _is_zero(dlse) else dlse.astype(jnp.float32)
+    if not return_probs or _is_zero(dprobs):
+        dprobs = jnp.zeros((0,), probs.dtype)
+    else:
+        dprobs = dprobs.astype(probs.dtype)
+    dq, dk, dv, dbias_full = _backward_call(kind, options)(*args, dout, probs, dlse, dprobs)
+    bias, sink = args[3], args[9]
+    dbias = None
+    if _present(bias):
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and dbias_full.shape[a] != 1)
+        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).reshape(bias.shape)
+    dsink = None
+    if _present(sink):
+        # lse, out and P depend on the sink only through lse: d lse / d sink = exp(sink - lse),
+        # d out / d sink = -exp(sink - lse) * out, d P / d sink = -exp(sink - lse) * P. So
+        # dsink = -sum_rows exp(sink - lse) * Dt with Dt = dout . out + rowsum(dP * P) - dlse.
+        row_term = jnp.einsum(
+            "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
+        ) - dlse
+        if _present(dprobs):
+            row_term = row_term + jnp.einsum(
+                "bhqk,bhqk->bhq", dprobs.astype(jnp.float32), probs.astype(jnp.float32)
+            )
+        dsink = -jnp.sum(jnp.exp(sink[None, :, None] - lse) * row_term, axis=(0, 2))
+    return (dq, dk, dv, dbias) + (None,) * 5 + (dsink, None)
+
+
+_probs_attention.defvjp(_probs_fwd, _probs_bwd, symbolic_zeros=True)
+
+
+def probs_attention(
+    arrays: Canonical, options: Options, *, kind: str, return_probs: bool
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Runs the compiled `probs` or `small_seq` kernels (`kind`).
+
+    **Returns:**
+
+    `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], probs [B,Hq,Sq,Skv] or None)`; `probs` is
+    returned (and differentiable) exactly when `return_probs` is true.
+    """
+    if kind not in TARGETS:
+        raise ValueError(f"kind must be one of {sorted(TARGETS)}; got {kind!r}.")
+    out, lse, row_max, probs = _probs_attention(kind, options, bool(return_probs),
+                                                *kernel_args(arrays))
+    return out, lse, row_max, (probs if return_probs else None)
