@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "flash_cpu.h"
+#include "probs_registry.h"
 
 namespace py = pybind11;
 
@@ -24,6 +25,7 @@ PYBIND11_MODULE(_ext, m) {
         py::dict handlers;
         handlers["attnaux_flash_fwd"] = HandlerCapsule(AttnauxFlashFwdCpu);
         handlers["attnaux_flash_bwd"] = HandlerCapsule(AttnauxFlashBwdCpu);
+        attnaux::AddProbsRegistrations(handlers);
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target.");

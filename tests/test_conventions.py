@@ -110,23 +110,28 @@ SCENARIOS = ["mask", "window", "window_bottom_right", "segments", "causal_bottom
              "causal_bottom_right_kv_seqlens", "q_seqlens", "kv_seqlens_zero", "empty_kv"]
 
 
-def _run(backend, q, k, v, bias, sink=None, **options):
-    """out, lse, max and the vjp of (out, lse) with cotangents that are nonzero everywhere
-    (dead rows included: a loss like sum(lse) sends them a cotangent too)."""
+def _runner(backend, **options):
+    """A jitted `(q, k, v, bias, sink) -> ((out, lse, max), (dq, dk, dv, dbias, dsink))`: the
+    vjp of (out, lse) with cotangents that are nonzero everywhere (rows without a visible key
+    included: a loss like sum(lse) sends them a cotangent too)."""
     def f(q, k, v, bias, sink):
         out, aux = attnaux.attention(q, k, v, bias=bias, sink=sink, backend=backend, **options)
         assert aux.backend == backend
         return out, aux.lse, aux.max
 
     @jax.jit
-    def run(q, k, v, bias, sink):
+    def run(q, k, v, bias, sink=None):
         (out, lse, row_max), vjp = jax.vjp(f, q, k, v, bias, sink)
         d_out = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
         d_lse = 1.0 + jnp.sin(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
         grads = vjp((d_out.astype(out.dtype), d_lse, jnp.zeros_like(row_max)))
         return (out, lse, row_max), grads
 
-    return run(q, k, v, bias, sink)
+    return run
+
+
+def _run(backend, q, k, v, bias, sink=None, **options):
+    return _runner(backend, **options)(q, k, v, bias, sink)
 
 
 def _f64(x):
@@ -150,7 +155,7 @@ def test_rows_without_a_visible_key(backend, name):
     assert np.all(np.isfinite(out))
     assert np.all(lse[~dead] >= row_max[~dead] - 1e-6)
 
-    for g_name, g in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias)):
+    for g_name, g in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), strict=True):
         assert np.all(np.isfinite(_f64(g))), f"{g_name} is not finite"
     dq_bhq = _f64(dq).transpose(0, 2, 1, 3)
     assert np.all(dq_bhq[dead] == 0), "dq of rows without a visible key is not 0"
@@ -178,7 +183,8 @@ def test_rows_without_a_visible_key_with_sink(backend, name):
     assert np.all(_f64(out).transpose(0, 2, 1, 3)[dead] == 0)
     assert np.all(np.isfinite(lse))
     assert np.all(lse[~dead] > row_max[~dead])  # the sink adds to every denominator
-    for g_name, g in zip(("dq", "dk", "dv", "dbias", "dsink"), (dq, dk, dv, dbias, dsink)):
+    for g_name, g in zip(("dq", "dk", "dv", "dbias", "dsink"), (dq, dk, dv, dbias, dsink),
+                        strict=True):
         assert np.all(np.isfinite(_f64(g))), f"{g_name} is not finite"
     assert np.all(_f64(dq).transpose(0, 2, 1, 3)[dead] == 0)
     assert np.all(_f64(dbias)[dead] == 0)
@@ -290,35 +296,36 @@ def test_nan_and_inf_where_nothing_looks_do_not_leak(backend, name):
     sq, skv, options, visible, q_dead, kv_unused = _leak_scenario(name)
     assert q_dead.any() or kv_unused.any()  # the scenario has somewhere to poison
     q, k, v, bias = (np.asarray(x) for x in _inputs(6, sq, skv))
-    hidden_bias = ~visible
-    clean = (
-        np.where(q_dead[:, :, None, None], 0, q), np.where(kv_unused[:, :, None, None], 0, k),
-        np.where(kv_unused[:, :, None, None], 0, v), np.where(hidden_bias, 0, bias),
-    )
-    poisoned = (
-        _poison(q, q_dead[:, :, None, None]), _poison(k, kv_unused[:, :, None, None]),
-        _poison(v, kv_unused[:, :, None, None]), _poison(bias, hidden_bias),
-    )
-    assert all(np.isnan(p).any() for p, where in zip(poisoned, (q_dead, kv_unused, kv_unused,
-                                                                 hidden_bias)) if where.any())
-    want = _run(backend, *map(jnp.asarray, clean), **options)
-    got = _run(backend, *map(jnp.asarray, poisoned), **options)
+    where = dict(q=q_dead[:, :, None, None], k=kv_unused[:, :, None, None],
+                 v=kv_unused[:, :, None, None], bias=~visible)
+    clean = dict(q=q, k=k, v=v, bias=bias)
+    clean = {n: np.where(where[n], 0, x).astype(np.float32) for n, x in clean.items()}
+    run = _runner(backend, **options)
+    want = jax.tree.map(np.asarray, run(*map(jnp.asarray, clean.values())))
     names = ("out", "lse", "max", "dq", "dk", "dv", "dbias")
-    (out, lse, row_max), grads = got
-    for n, x in zip(names, (out, lse, row_max, *grads[:4])):
-        x = _f64(x)
-        assert not np.isnan(x).any(), f"NaN reached {n}"
-        if n in ("lse", "max"):
-            assert not np.isposinf(x).any(), f"+inf reached {n}"
-        else:
-            assert np.all(np.isfinite(x)), f"inf reached {n}"
-    for n, a, e in zip(names, (*got[0], *got[1][:4]), (*want[0], *want[1][:4])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
-                                      err_msg=f"{n} changed with NaN/inf in invisible places")
-    # and the poisoned places get zero gradients
-    assert np.all(_f64(grads[0])[q_dead] == 0)
-    assert np.all(_f64(grads[1])[kv_unused] == 0) and np.all(_f64(grads[2])[kv_unused] == 0)
-    assert np.all(_f64(grads[3])[hidden_bias] == 0)
+    problems = []
+    # poison one input at a time (so that a failure says which), then all of them at once
+    for poisoned_inputs in (("q",), ("k",), ("v",), ("bias",), ("q", "k", "v", "bias")):
+        if not any(where[n].any() for n in poisoned_inputs):
+            continue
+        args = {n: _poison(x, where[n]) if n in poisoned_inputs else x for n, x in clean.items()}
+        (out, lse, row_max), grads = run(*map(jnp.asarray, args.values()))
+        got = [np.asarray(x) for x in (out, lse, row_max, *grads[:4])]
+        label = "NaN/inf in invisible places of " + "+".join(poisoned_inputs)
+        for n, x, e in zip(names, got, (*want[0], *want[1][:4]), strict=True):
+            x64 = x.astype(np.float64)
+            if np.isnan(x64).any():
+                problems.append(f"{label}: NaN reached {n} ({int(np.isnan(x64).sum())} entries)")
+            elif np.isposinf(x64).any() or (n not in ("lse", "max") and np.isinf(x64).any()):
+                problems.append(f"{label}: inf reached {n}")
+            elif not np.array_equal(x, e):
+                problems.append(f"{label}: {n} differs from the result with zeros there")
+        dq, dk, dv, dbias = (g.astype(np.float64) for g in got[3:])
+        for n, g, w in (("dq", dq, q_dead), ("dk", dk, kv_unused), ("dv", dv, kv_unused),
+                        ("dbias", dbias, ~visible)):
+            if not np.all(g[w] == 0):
+                problems.append(f"{label}: {n} is not 0 at the poisoned places")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -334,7 +341,7 @@ def test_nan_in_bias_broadcast_over_heads_where_masked(backend):
     poisoned = _poison(bias, ~mask)
     want = _run(backend, q, k, v, jnp.asarray(clean), mask=jnp.asarray(mask))
     got = _run(backend, q, k, v, jnp.asarray(poisoned), mask=jnp.asarray(mask))
-    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
     assert np.all(np.isfinite(np.asarray(got[1][3])))
 
@@ -351,25 +358,28 @@ _THREAD_SCRIPT = textwrap.dedent(
 
     out_dir = sys.argv[1]
 
-    def problem(seed, b, sq, skv, hq, hkv, d, dv, dtype):
+    def problem(seed, b, sq, skv, hq, hkv, d, dv, dtype, bias_heads):
         rng = np.random.default_rng(seed)
         q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), dtype)
         k = jnp.asarray(rng.standard_normal((b, skv, hkv, d)), dtype)
         v = jnp.asarray(rng.standard_normal((b, skv, hkv, dv)), dtype)
-        bias = jnp.asarray(rng.standard_normal((b, 1, sq, skv)), jnp.float32)
+        bias = jnp.asarray(rng.standard_normal((b, bias_heads, sq, skv)), jnp.float32)
         d_out = jnp.asarray(rng.standard_normal((b, sq, hq, dv)), dtype)
         d_lse = jnp.asarray(rng.standard_normal((b, hq, sq)), jnp.float32)
         return q, k, v, bias, d_out, d_lse
 
     CASES = {
         # several batch elements and heads, GQA, bias, bottom-right causal with padding
-        "gqa": (problem(0, 3, 190, 263, 8, 2, 64, 48, jnp.float32),
+        "gqa": (problem(0, 3, 190, 263, 8, 2, 64, 48, jnp.float32, 8),
                 dict(causal="bottom_right", kv_seqlens=jnp.asarray([263, 200, 17]),
                      q_seqlens=jnp.asarray([190, 150, 190]))),
         # one (batch, head) pair with long rows: any split of the work is within one row block
-        "long": (problem(1, 1, 640, 1100, 1, 1, 32, 32, jnp.float32),
+        "long": (problem(1, 1, 640, 1100, 1, 1, 32, 32, jnp.float32, 1),
                  dict(window=(300, 40))),
-        "bf16": (problem(2, 2, 130, 130, 4, 4, 80, 80, jnp.bfloat16), dict(causal=True)),
+        "bf16": (problem(2, 2, 130, 130, 4, 4, 80, 80, jnp.bfloat16, 4), dict(causal=True)),
+        # a bias broadcast over the heads: its gradient is a sum over the heads
+        "broadcast_bias": (problem(0, 3, 190, 263, 8, 2, 64, 48, jnp.float32, 1),
+                           dict(causal="bottom_right")),
     }
     for name, ((q, k, v, bias, d_out, d_lse), options) in CASES.items():
         def f(q, k, v, bias):
@@ -401,18 +411,40 @@ def _run_thread_script(tmp_path, label, prefix=(), extra_flags=""):
     return {p.name: np.load(p) for p in sorted(out_dir.glob("*.npy"))}
 
 
-@requires_flash
-def test_flash_results_do_not_depend_on_threads(tmp_path):
-    normal = _run_thread_script(tmp_path, "normal")
-    assert len(normal) == 3 * 7
-    variants = {"single_thread_eigen": _run_thread_script(
-        tmp_path, "eigen_off", extra_flags="--xla_cpu_multi_thread_eigen=false")}
+@pytest.fixture(scope="module")
+def thread_runs(tmp_path_factory):
+    """The same flash forward and backward run normally, with XLA's Eigen thread pool off, and
+    pinned to one core (when `taskset` is there and more than one core is)."""
+    if not HAS_FLASH:
+        pytest.skip("the compiled flash kernel is not registered for cpu")
+    tmp_path = tmp_path_factory.mktemp("threads")
+    runs = {"normal": _run_thread_script(tmp_path, "normal")}
+    runs["single_thread_eigen"] = _run_thread_script(
+        tmp_path, "eigen_off", extra_flags="--xla_cpu_multi_thread_eigen=false")
     if shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
-        variants["one_core"] = _run_thread_script(tmp_path, "one_core",
-                                                  prefix=("taskset", "-c", "0"))
-    for label, result in variants.items():
+        runs["one_core"] = _run_thread_script(tmp_path, "one_core", prefix=("taskset", "-c", "0"))
+    return runs
+
+
+def _compare_thread_runs(runs, prefixes):
+    normal = runs["normal"]
+    names = [n for n in normal if n.startswith(prefixes)]
+    assert names
+    for label, result in runs.items():
         assert result.keys() == normal.keys()
-        for name, x in normal.items():
-            assert not np.isnan(x).any(), name
-            np.testing.assert_array_equal(result[name], x,
+        for name in names:
+            assert not np.isnan(normal[name]).any(), name
+            np.testing.assert_array_equal(result[name], normal[name],
                                           err_msg=f"{name} differs between normal and {label}")
+
+
+@requires_flash
+def test_flash_results_do_not_depend_on_threads(thread_runs):
+    _compare_thread_runs(thread_runs, ("gqa.", "long.", "bf16."))
+
+
+@requires_flash
+def test_flash_broadcast_bias_gradient_does_not_depend_on_threads(thread_runs):
+    """The gradient of a bias broadcast over heads sums the kernel's per-head dbias: that sum
+    must not depend on the thread count either."""
+    _compare_thread_runs(thread_runs, ("broadcast_bias.",))

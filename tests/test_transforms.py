@@ -13,11 +13,10 @@
 
 import functools
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import attnaux
 import attnaux._attention as attention_module
@@ -50,7 +49,7 @@ def _assert_tree_close(actual, expected, what="", **tol):
     leaves_a, tree_a = jax.tree.flatten(actual)
     leaves_e, tree_e = jax.tree.flatten(expected)
     assert tree_a == tree_e, f"{what}: structure {tree_a} != {tree_e}"
-    for i, (a, e) in enumerate(zip(leaves_a, leaves_e)):
+    for i, (a, e) in enumerate(zip(leaves_a, leaves_e, strict=True)):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape, f"{what} leaf {i}: shape {a.shape} != {e.shape}"
         np.testing.assert_allclose(a, e, err_msg=f"{what} leaf {i}", **tol)
@@ -118,12 +117,12 @@ DIFF_ARGNUMS = (0, 1, 2, 3)  # q, k, v, bias
 
 
 # Jitted once per backend and reused by every loop below (eager grads compile many small pieces).
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jf(backend):
     return jax.jit(_f(backend))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jgrad(backend):
     return jax.jit(jax.grad(_loss(backend), argnums=DIFF_ARGNUMS))
 
@@ -136,7 +135,8 @@ def _loop(fn, args, in_axes, n):
     """Stacks `fn` over a Python loop of the unbatched slices."""
     results = []
     for i in range(n):
-        sliced = [a if ax is None else _take(a, ax, i) for a, ax in zip(args, in_axes)]
+        pairs = zip(args, in_axes, strict=True)
+        sliced = [a if ax is None else _take(a, ax, i) for a, ax in pairs]
         results.append(fn(*sliced))
     return jax.tree.map(lambda *xs: jnp.stack(xs), *results)
 
@@ -431,7 +431,7 @@ def test_max_carries_no_gradient(backend):
         return jnp.sum(aux.max * jnp.arange(1.0, 1.0 + aux.max.size).reshape(aux.max.shape))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
-    for name, g in zip("q k v bias".split(), grads):
+    for name, g in zip("q k v bias".split(), grads, strict=True):
         assert np.all(np.asarray(g) == 0), f"d sum(aux.max) / d {name} is not zero"
     # whereas max itself is the real row maximum (so the test above is not vacuous)
     _, aux = attnaux.attention(q, k, v, bias=bias, mask=mask, backend=backend)
@@ -456,7 +456,7 @@ def test_grad_through_lse_matches_independent_oracle(backend):
                                rtol=1e-5)
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     want = jax.jit(jax.grad(oracle, argnums=(0, 1, 2, 3)))(q, k, v, bias)
-    for name, g, e in zip("q k v bias".split(), got, want):
+    for name, g, e in zip("q k v bias".split(), got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5,
                                    err_msg=f"d lse-loss / d {name}")
     assert np.all(np.asarray(got[2]) == 0)  # lse does not depend on v
@@ -521,7 +521,7 @@ def test_attnaux_is_a_pytree(backend):
 def test_attnaux_pytree_with_probs():
     q, k, v, _, _ = _dense_problem(170)
     _, aux = attnaux.attention(q, k, v, return_probs=True)
-    assert aux.backend == "reference" and aux.probs is not None
+    assert aux.backend != "flash" and aux.probs is not None
     assert len(jax.tree.leaves(aux)) == 3
     _, aux_j = jax.jit(lambda q: attnaux.attention(q, k, v, return_probs=True))(q)
     np.testing.assert_allclose(aux_j.probs, aux.probs, **TOL)
@@ -634,19 +634,24 @@ def test_explain_auto_choice_and_reasons():
     k = _normal(211, (2, SKV, HKV, D))
     v = _normal(212, (2, SKV, HKV, DV))
     auto = attnaux.explain(q, k, v)
-    if HAS_FLASH:
-        assert auto.backend == "flash"
+    if HAS_FLASH:  # a compiled backend serves the call: auto does not fall back to reference
+        assert auto.backend != "reference"
         assert "C++" in auto.implementation
+        assert "serves" in auto.reasons["flash"]
     else:
         assert auto.backend == "reference"
         assert "not available" in auto.reasons["flash"] or "no compiled" in auto.reasons["flash"]
     assert str(auto).startswith(f"backend: {auto.backend}")
     for name in ALL_BACKENDS:
         assert name in str(auto)
+    # small_seq is for q_seq == 1: the reason says why it does not serve q_seq = 7
+    assert "q_seq" in auto.reasons["small_seq"]
 
     probs = attnaux.explain(q, k, v, return_probs=True)
-    assert probs.backend == "reference"
+    assert probs.backend != "flash"  # flash does not save the probabilities
     assert "return_probs" in probs.reasons["flash"] or "probab" in probs.reasons["flash"]
+    _, aux = attnaux.attention(q, k, v, return_probs=True)
+    assert aux.backend == probs.backend and aux.probs is not None
 
     ref = attnaux.explain(q, k, v, backend="reference")
     assert ref.backend == "reference" and ref.implementation
@@ -659,5 +664,5 @@ def test_explain_flash_explicit():
     v = _normal(222, (2, SKV, HKV, DV))
     e = attnaux.explain(q, k, v, backend="flash")
     assert e.backend == "flash" and e.implementation == "C++ (XLA FFI, cpu)"
-    _, aux = attnaux.attention(q, k, v)
+    _, aux = attnaux.attention(q, k, v, backend="flash")
     assert aux.backend == "flash"

@@ -339,6 +339,13 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m attnaux bench`."""
     parser.add_argument(
@@ -373,6 +380,7 @@ def main(args: argparse.Namespace) -> int:
     shapes = tuple(args.shapes or (QUICK_SHAPES if args.quick else SHAPES))
     memory_shape = args.memory_shape or (QUICK_MEMORY_SHAPE if args.quick else MEMORY_SHAPE)
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    load_start = _load()
     flash_reason = flash_unavailable()
     notes = []
     if flash_reason is not None:
@@ -386,7 +394,8 @@ def main(args: argparse.Namespace) -> int:
     device = jax.devices()[0]
     lines = [
         f"attnaux {attnaux.__version__}, JAX {jax.__version__}, {device.platform.upper()}: "
-        f"{_cpu_name()}, {os.cpu_count()} cores; float32, layout BSHD, q/k/v heads equal.",
+        f"{_cpu_name()}, {os.cpu_count()} cores; float32, layout BSHD, q/k/v heads equal. "
+        f"Load average (1 min) at start / end: {load_start} / {_load()}.",
         "",
         f"GFLOP/s (forward = 4*b*h*s*s*d, halved for causal; forward+backward = 3.5x forward), "
         f"best of {args.repeats} jitted calls after a warm-up, `block_until_ready`. attnaux "
@@ -406,9 +415,10 @@ def main(args: argparse.Namespace) -> int:
                "high-water mark, so compile-time peaks may be included: an upper bound) ")
             + "then runs the call twice; the number is the peak RSS of those calls (VmHWM, the "
             "high-water mark getrusage's ru_maxrss reports, read from /proc so that it is not "
-            "the parent's RSS inherited at fork) minus the RSS just before the first call. It includes the outputs (out, or dq/dk/dv) and "
-            "everything the call allocates, the kernel's own scratch included; runs vary by a few "
-            "tens of MiB (allocator arenas, threads). 'XLA temp buffers' and 'output buffers' "
+            "the parent's RSS inherited at fork) minus the RSS just before the first call. It "
+            "includes the outputs (out, or dq/dk/dv) and everything the call allocates, the "
+            "kernel's own scratch included; runs vary by a few tens of MiB (allocator arenas, "
+            "threads). 'XLA temp buffers' and 'output buffers' "
             "are XLA's compiled memory_analysis() (temp_size_in_bytes, output_size_in_bytes): "
             "a second view that does not see memory allocated inside the attnaux FFI kernel.",
             "",

@@ -27,6 +27,7 @@ class Options(NamedTuple):
     window_left: int  # -1 = unbounded
     window_right: int  # -1 = unbounded
     dropout_rate: float
+    has_seqlens: bool = False  # q_seqlens or kv_seqlens was given (GPU: cuDNN's padding mask)
 
 
 class Canonical(NamedTuple):
@@ -365,5 +366,6 @@ def canonicalize(
         window_left=window_left,
         window_right=window_right,
         dropout_rate=rate,
+        has_seqlens=q_seqlens is not None or kv_seqlens is not None,
     )
     return Problem(arrays, options, batch, rate > 0.0)

@@ -71,6 +71,10 @@ def _flash_unavailable(problem: Problem, platform: str, return_probs: bool) -> s
             f"shape), 'small_seq' (q_seq == 1 and kv_seq <= {SMALL_SEQ_MAX_KV_SEQ}), "
             "'reference' or 'auto'"
         )
+    if platform == "gpu":  # cuDNN fused attention (see _flash_cuda.py)
+        from ._flash_cuda import unavailable as cuda_unavailable
+
+        return cuda_unavailable(problem)
     return _compiled_unavailable(problem, platform, FWD_TARGET)
 
 
@@ -140,4 +144,6 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
     implementation = (
         "pure JAX (XLA)" if chosen == "reference" else f"C++ (XLA FFI, {platform})"
     )
+    if chosen == "flash" and platform == "gpu":
+        implementation = "cuDNN fused attention (XLA FFI, gpu)"
     return Explanation(chosen, implementation, platform, reasons)

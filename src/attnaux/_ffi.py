@@ -14,6 +14,30 @@ else:
 
 REGISTERED: dict[str, tuple[str, ...]] = {}
 
+
+def _cuda_library_hints() -> tuple[str, str]:
+    """Paths of libcudnn.so.9 and libcudart.so.1x in the nvidia wheels ('' when not found), for
+    the GPU module to dlopen when JAX has not loaded them yet."""
+    import glob
+    import importlib.util
+    import os
+
+    found = []
+    for package, pattern in (("nvidia.cudnn", "lib/libcudnn.so.9"),
+                             ("nvidia", "*/lib/libcudart.so.1[0-9]")):
+        path = ""
+        try:
+            spec = importlib.util.find_spec(package)
+            for root in (spec.submodule_search_locations or []) if spec else []:
+                hits = sorted(glob.glob(os.path.join(root, pattern)))
+                if hits:
+                    path = hits[-1]
+                    break
+        except Exception:
+            pass
+        found.append(path)
+    return found[0], found[1]
+
 if _ext is not None:
     for _name, _capsule in _ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
@@ -25,6 +49,29 @@ else:
         RuntimeWarning,
         stacklevel=2,
     )
+
+
+# The GPU handlers (cuDNN fused attention) live in a separate module, built only where CUDA and
+# the cuDNN headers were found, so that importing attnaux never needs CUDA libraries.
+try:
+    from . import _ext_cuda
+except ImportError as error:
+    _ext_cuda = None
+    CUDA_IMPORT_ERROR: str | None = f"{type(error).__name__}: {error}"
+else:
+    CUDA_IMPORT_ERROR = None
+    try:
+        _ext_cuda.set_library_hints(*_cuda_library_hints())
+        for _name, _capsule in _ext_cuda.registrations().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+            REGISTERED[_name] = ("gpu", "cuda")
+    except Exception as error:  # a JAX without a CUDA platform, say
+        CUDA_IMPORT_ERROR = f"registering the CUDA handlers failed: {type(error).__name__}: {error}"
+
+
+def ext_cuda():
+    """The compiled GPU module `attnaux._ext_cuda`, or None when it was not built."""
+    return _ext_cuda
 
 
 def has_target(name: str, platform: str) -> bool:

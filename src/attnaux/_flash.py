@@ -197,4 +197,8 @@ def flash_attention(
     arrays: Canonical, options: Options
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Runs the compiled `flash` kernels: `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])`."""
+    if jax.default_backend() == "gpu":  # cuDNN fused attention (see _flash_cuda.py)
+        from ._flash_cuda import flash_attention_cuda
+
+        return flash_attention_cuda(arrays, options)
     return _flash(options, *kernel_args(arrays))

@@ -1,0 +1,142 @@
+"""GPU benchmark: attnaux `flash` (cuDNN, returning lse and max) vs jax.nn cuDNN attention.
+
+    python benchmarks/gpu_flash.py            # every GPU shape of shared/BENCHMARKS.md, bf16
+    python benchmarks/gpu_flash.py --quick    # two shapes
+
+Side by side in one run, for each shape and causal mode, forward and forward+backward:
+
+- `attnaux`: `attnaux.attention(..., backend="flash")`, returning out, aux.lse and aux.max;
+- `attnaux lse`: the same cuDNN graphs asked for lse alone (cuDNN's Stats), to show what the
+  max costs;
+- `cudnn`: `jax.nn.dot_product_attention(..., implementation="cudnn")`, which returns neither.
+
+The forward+backward pass is `jax.vjp` of the output with a fixed cotangent (no lse cotangent).
+Timing: jitted, 2 warm-up calls, then the mean of 20 back-to-back calls (one block_until_ready at
+the end); three such rounds, the median reported. FLOPs as FlashAttention: 4*b*h*s*s*d forward,
+halved for causal; forward+backward = 3.5x forward. Prints a markdown table (TFLOP/s, ratios).
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import attnaux
+from attnaux._canon import canonicalize
+from attnaux._flash_cuda import flash_attention_cuda
+
+SHAPES = [  # (b, s, h, d), as in BENCHMARKS.md's GPU table
+    (8, 1024, 16, 128),
+    (4, 2048, 16, 128),
+    (2, 4096, 16, 128),
+    (1, 8192, 16, 128),
+    (1, 16384, 16, 128),
+    (2, 4096, 32, 64),
+]
+# FlashAttention-3 (XLA FFI) on an H100, TFLOP/s forward / forward+backward (BENCHMARKS.md)
+FA3 = {
+    ((8, 1024, 16, 128), False): (517, 441), ((8, 1024, 16, 128), True): (331, 289),
+    ((4, 2048, 16, 128), False): (579, 547), ((4, 2048, 16, 128), True): (488, 423),
+    ((2, 4096, 16, 128), False): (646, 620), ((2, 4096, 16, 128), True): (578, 527),
+    ((1, 8192, 16, 128), False): (678, 660), ((1, 8192, 16, 128), True): (615, 618),
+    ((1, 16384, 16, 128), False): (684, 662), ((1, 16384, 16, 128), True): (630, 630),
+    ((2, 4096, 32, 64), False): (329, 321), ((2, 4096, 32, 64), True): (317, 296),
+}
+
+
+def attnaux_full(q, k, v, causal):
+    out, aux = attnaux.attention(q, k, v, causal=causal, backend="flash")
+    return out, aux.lse, aux.max
+
+
+def attnaux_lse(q, k, v, causal):
+    problem = canonicalize(q, k, v, causal=causal)
+    out, lse, _ = flash_attention_cuda(problem.arrays, problem.options, with_max=False)
+    return out, lse
+
+
+def cudnn(q, k, v, causal):
+    return (jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),)
+
+
+CANDIDATES = {"attnaux": attnaux_full, "attnaux lse": attnaux_lse, "cudnn": cudnn}
+
+
+def timed(fn, args, calls=20, rounds=3):
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    means = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        means.append((time.perf_counter() - t0) / calls)
+    return statistics.median(means)
+
+
+def run(shapes, causal_modes):
+    rows = []
+    for shape in shapes:
+        b, s, h, d = shape
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+        for causal in causal_modes:
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            res = {}
+            for name, f in CANDIDATES.items():
+                fwd = jax.jit(lambda q, k, v, f=f: f(q, k, v, causal))
+                fwd_bwd = jax.jit(
+                    lambda q, k, v, do, f=f: jax.vjp(lambda q, k, v: f(q, k, v, causal)[0], q, k,
+                                                     v)[1](do)
+                )
+                t_f = timed(fwd, (q, k, v))
+                t_fb = timed(fwd_bwd, (q, k, v, do))
+                res[name] = (flops / t_f / 1e12, 3.5 * flops / t_fb / 1e12)
+            rows.append((shape, causal, res))
+            a, al, c = res["attnaux"], res["attnaux lse"], res["cudnn"]
+            print(f"{'x'.join(map(str, shape))} causal={causal}: attnaux {a[0]:.0f}/{a[1]:.0f}, "
+                  f"lse-only {al[0]:.0f}/{al[1]:.0f}, jax.nn cudnn {c[0]:.0f}/{c[1]:.0f} TFLOP/s",
+                  flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    lines = [
+        "| b x s x h x d | causal | attnaux flash (lse+max) | attnaux (lse only) | jax.nn cudnn "
+        "| ratio vs cudnn fwd / fwd+bwd | max cost vs lse-only fwd / fwd+bwd | FA-3 (H100) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, causal, res in rows:
+        a, al, c = res["attnaux"], res["attnaux lse"], res["cudnn"]
+        fa = FA3.get((shape, causal))
+        fa_text = f"{fa[0]} / {fa[1]}" if fa else "-"
+        # max cost: how much faster lse-only is than lse+max (positive = max costs time)
+        lines.append(
+            f"| {'x'.join(map(str, shape))} | {'yes' if causal else 'no'} | {a[0]:.0f} / {a[1]:.0f} "
+            f"| {al[0]:.0f} / {al[1]:.0f} | {c[0]:.0f} / {c[1]:.0f} "
+            f"| {a[0] / c[0]:.2f} / {a[1] / c[1]:.2f} "
+            f"| {100 * (al[0] / a[0] - 1):+.1f}% / {100 * (al[1] / a[1] - 1):+.1f}% "
+            f"| {fa_text} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes only")
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"needs a GPU; JAX's default backend is {jax.default_backend()!r}")
+    shapes = SHAPES[:1] + SHAPES[-1:] if args.quick else SHAPES
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, cuDNN "
+          f"{attnaux._ffi.ext_cuda().cudnn_version()}", flush=True)
+    rows = run(shapes, (False, True))
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

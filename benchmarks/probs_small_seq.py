@@ -1,0 +1,174 @@
+"""Benchmark: the probability-saving backends, `small_seq` and `probs`, on the CPU.
+
+Command (from the repository root, with attnaux installed, e.g. `pip install -e .`):
+
+    python benchmarks/probs_small_seq.py                  # everything below, best of 5
+    python benchmarks/probs_small_seq.py --repeats 9 --kv 4 16 --no-probs
+
+What runs, side by side in one process (float32, layout BSHD, every function jitted; one warm-up
+call compiles, then the best of `--repeats` calls, each ended by `jax.block_until_ready`):
+
+1. Memory bandwidth of this machine: a jitted `x + 0` over a 1 GiB float32 array (read + write,
+   2 GiB moved), best of the same repeats.
+2. Decoder cross-attention, batch 30720, q_seq 1, kv_seq in {2, 4, 8, 16}, 8 heads, head dim 128:
+   `small_seq` vs `flash` vs `reference` (attnaux's three backends that can serve the shape) vs
+   `jax.nn.dot_product_attention(implementation="xla")`. `fwd`: the forward alone (attnaux
+   returns out, lse and max; small_seq writes no probabilities in inference). `fwd+bwd`:
+   `jax.grad` of `sum(out * dout)` w.r.t. q, k, v (small_seq then saves P in the forward and
+   reads it in the backward). The table gives each path's time, `small_seq`'s speed-up over it,
+   and `small_seq`'s achieved bandwidth as a fraction of the copy bandwidth.
+3. `probs` vs `flash` at 4x256x8x64 and 4x512x8x64 (b x s x h x d, self-attention, not causal),
+   forward and forward+backward.
+
+Bytes `small_seq` must move (4 bytes per element; B = batch, H = heads, D = head dim, S = kv_seq):
+
+    fwd     = read q, k, v (B*H*D + 2*B*S*H*D) + write out (B*H*D) + lse, max (2*B*H)
+    fwd+bwd = fwd + write P (B*H*S)
+              + backward: read q, k, v, dout, P, dlse (B*(2*H*D + 2*S*H*D + H*S + H))
+                          write dq, dk, dv (B*(H*D + 2*S*H*D))
+
+achieved GB/s = bytes / best time / 1e9; fraction = achieved / copy GB/s. The machine may be
+shared and noisy: compare the ratios of one run. Progress goes to stderr, markdown tables to
+stdout.
+"""
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attnaux
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def best_time(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(repeats: int, gib: float = 1.0) -> float:
+    """GB/s of a jitted `x + 0` (bytes read + written)."""
+    n = int(gib * 2**30) // 4
+    x = jnp.ones((n,), jnp.float32)
+    t = best_time(jax.jit(lambda x: x + 0), (x,), repeats)
+    del x
+    return 2 * n * 4 / t / 1e9
+
+
+def _attnaux(backend):
+    def fwd(q, k, v):
+        out, aux = attnaux.attention(q, k, v, backend=backend)
+        return out, aux.lse, aux.max
+
+    return fwd
+
+
+def _xla(q, k, v):
+    return (jax.nn.dot_product_attention(q, k, v, implementation="xla"),)
+
+
+def _fwd_bwd(fwd):
+    def loss(q, k, v, dout):
+        return jnp.sum(fwd(q, k, v)[0] * dout)
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def small_seq_bytes(b, s, h, d, passes):
+    fwd = 4 * (b * h * d + 2 * b * s * h * d + b * h * d + 2 * b * h)
+    if passes == "fwd":
+        return fwd
+    bwd = 4 * (b * (2 * h * d + 2 * s * h * d + h * s + h) + b * (h * d + 2 * s * h * d))
+    return fwd + 4 * b * h * s + bwd
+
+
+def inputs(b, sq, skv, h, d, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((b, sq, h, d), (b, skv, h, d), (b, skv, h, d), (b, sq, h, d))
+    return tuple(jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for s in shapes)
+
+
+def bench_small_seq(kvs, repeats, copy_gbs, batch=30720, heads=8, dim=128):
+    cands = {
+        "small_seq": _attnaux("small_seq"),
+        "flash": _attnaux("flash"),
+        "reference": _attnaux("reference"),
+        "xla (jax.nn)": _xla,
+    }
+    print(f"\n## small_seq: batch {batch}, q_seq 1, {heads} heads, head dim {dim}, float32\n")
+    print(f"copy bandwidth (jitted x + 0, 1 GiB): {copy_gbs:.1f} GB/s\n")
+    header = ["kv_seq", "pass"] + [f"{n} ms" for n in cands] + [
+        "speed-up vs best other", "small_seq GB/s", "fraction of copy"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for s in kvs:
+        q, k, v, dout = inputs(batch, 1, s, heads, dim)
+        for passes in ("fwd", "fwd+bwd"):
+            times = {}
+            for name, f in cands.items():
+                _log(f"small_seq shape kv={s} {passes} {name}")
+                if passes == "fwd":
+                    fn, args = jax.jit(f), (q, k, v)
+                else:
+                    fn, args = jax.jit(_fwd_bwd(f)), (q, k, v, dout)
+                times[name] = best_time(fn, args, repeats)
+            t_ss = times["small_seq"]
+            other = min(t for n, t in times.items() if n != "small_seq")
+            gbs = small_seq_bytes(batch, s, heads, dim, passes) / t_ss / 1e9
+            row = [str(s), passes] + [f"{1e3 * t:.1f}" for t in times.values()] + [
+                f"{other / t_ss:.2f}x", f"{gbs:.1f}", f"{gbs / copy_gbs:.2f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+def bench_probs(repeats, shapes=((4, 256, 8, 64), (4, 512, 8, 64))):
+    print("\n## probs vs flash (self-attention, not causal, float32)\n")
+    header = ["b x s x h x d", "pass", "probs ms", "flash ms", "flash / probs"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for b, s, h, d in shapes:
+        q, k, v, dout = inputs(b, s, s, h, d)
+        for passes in ("fwd", "fwd+bwd"):
+            times = {}
+            for name in ("probs", "flash"):
+                _log(f"probs shape {b}x{s}x{h}x{d} {passes} {name}")
+                f = _attnaux(name)
+                if passes == "fwd":
+                    fn, args = jax.jit(f), (q, k, v)
+                else:
+                    fn, args = jax.jit(_fwd_bwd(f)), (q, k, v, dout)
+                times[name] = best_time(fn, args, repeats)
+            row = [f"{b}x{s}x{h}x{d}", passes, f"{1e3 * times['probs']:.2f}",
+                   f"{1e3 * times['flash']:.2f}", f"{times['flash'] / times['probs']:.2f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kv", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--batch", type=int, default=30720)
+    parser.add_argument("--no-probs", action="store_true", help="skip the probs vs flash part")
+    parser.add_argument("--no-small-seq", action="store_true", help="skip the small_seq part")
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.device_count()} device(s)")
+    if not args.no_small_seq:
+        _log("copy bandwidth")
+        copy_gbs = copy_bandwidth(args.repeats)
+        bench_small_seq(args.kv, args.repeats, copy_gbs, batch=args.batch)
+    if not args.no_probs:
+        bench_probs(args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+// XLA FFI handlers of the `flash` primitive on NVIDIA GPUs: validate, look the cuDNN graph up in
+// the cache (cudnn_graphs.h), run it on XLA's stream with workspace from XLA's scratch allocator.
+//
+// The handlers are NOT declared compatible with command buffers (CUDA graphs): they take scratch
+// memory at run time and may build a cuDNN plan on first use, so XLA runs them as ordinary thunks.
+#include "flash_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cudnn_graphs.h"
+#include "xla/ffi/api/ffi.h"
+
+// The frontend's dynamic-loading mode reads libcudnn's handle from here (cudnn_graphs.h sets it).
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}  // namespace cudnn_frontend
+
+namespace ffi = xla::ffi;
+
+namespace attnaux_cuda {
+namespace {
+
+using Dims = ffi::AnyBuffer::Dimensions;
+
+std::string Shape(Dims dims) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  os << (dims.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+std::string Shape(const std::vector<int64_t>& dims) {
+  return Shape(Dims(dims.data(), dims.size()));
+}
+
+bool SameDims(Dims dims, const std::vector<int64_t>& expected) {
+  if (dims.size() != expected.size()) return false;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (dims[i] != expected[i]) return false;
+  }
+  return true;
+}
+
+bool Absent(Dims dims) { return dims.size() == 1 && dims[0] == 0; }
+
+ffi::Error Invalid(const std::string& target, const std::string& what) {
+  return ffi::Error::InvalidArgument(target + ": " + what);
+}
+
+ffi::Error ExpectShape(const std::string& target, const std::string& name, Dims dims,
+                       const std::vector<int64_t>& expected) {
+  if (SameDims(dims, expected)) return ffi::Error::Success();
+  return Invalid(target, name + " must have shape " + Shape(expected) + ", got " + Shape(dims) +
+                            ".");
+}
+
+ffi::Error CudaError(const std::string& target, const char* what, cudaError_t e) {
+  return ffi::Error::Internal(target + ": " + what + " failed: " + cudaGetErrorString(e));
+}
+
+// Shapes shared by the forward and the backward; fills the static part of `c`.
+ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
+                        ffi::Buffer<ffi::S32> q_seqlens, ffi::Buffer<ffi::S32> kv_seqlens,
+                        float scale, int32_t causal, int64_t window_left, int64_t window_right,
+                        int32_t padding, AttnConfig* c) {
+  const ffi::DataType t = q.element_type();
+  if (t != ffi::DataType::BF16 && t != ffi::DataType::F16) {
+    return Invalid(target, "q, k and v must be bfloat16 or float16 (cuDNN fused attention).");
+  }
+  if (k.element_type() != t || v.element_type() != t) {
+    return Invalid(target, "q, k and v must share one dtype.");
+  }
+  Dims qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return Invalid(target, "q, k and v must be [B, S, H, D]; got q " + Shape(qd) + ", k " +
+                               Shape(kd) + ", v " + Shape(vd) + ".");
+  }
+  c->dtype = t == ffi::DataType::BF16 ? 0 : 1;
+  c->b = qd[0];
+  c->sq = qd[1];
+  c->hq = qd[2];
+  c->d = qd[3];
+  c->skv = kd[1];
+  c->hk = kd[2];
+  c->dv = vd[3];
+  if (auto e = ExpectShape(target, "k", kd, {c->b, c->skv, c->hk, c->d}); e.failure()) return e;
+  if (auto e = ExpectShape(target, "v", vd, {c->b, c->skv, c->hk, c->dv}); e.failure()) return e;
+  if (c->b <= 0 || c->sq <= 0 || c->skv <= 0 || c->hq <= 0 || c->hk <= 0) {
+    return Invalid(target, "zero-sized problems are handled in Python and never reach cuDNN.");
+  }
+  if (c->hq % c->hk != 0) {
+    return Invalid(target, "the number of query heads must be a multiple of the kv heads.");
+  }
+  if (c->d % 8 != 0 || c->dv % 8 != 0 || c->d <= 0 || c->dv <= 0 || c->d > 256 || c->dv > 256) {
+    return Invalid(target, "head dims must be multiples of 8 in [8, 256]; got qk_dim " +
+                               std::to_string(c->d) + ", v_dim " + std::to_string(c->dv) + ".");
+  }
+  Dims bd = bias.dimensions();
+  if (Absent(bd)) {
+    c->bias_b = c->bias_h = 0;
+  } else {
+    if (bd.size() != 4 || (bd[0] != 1 && bd[0] != c->b) || (bd[1] != 1 && bd[1] != c->hq) ||
+        bd[2] != c->sq || bd[3] != c->skv) {
+      return Invalid(target, "bias must be [1|B, 1|Hq, Sq, Skv] = [1|" + std::to_string(c->b) +
+                                 ", 1|" + std::to_string(c->hq) + ", " + std::to_string(c->sq) +
+                                 ", " + std::to_string(c->skv) + "] or (0,); got " + Shape(bd) +
+                                 ".");
+    }
+    c->bias_b = bd[0];
+    c->bias_h = bd[1];
+  }
+  if (auto e = ExpectShape(target, "q_seqlens", q_seqlens.dimensions(), {c->b}); e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "kv_seqlens", kv_seqlens.dimensions(), {c->b}); e.failure()) {
+    return e;
+  }
+  if (causal < 0 || causal > 2) return Invalid(target, "causal must be 0, 1 or 2.");
+  if (window_left < -1 || window_right < -1) {
+    return Invalid(target, "window sizes must be >= 0 or -1 (unbounded).");
+  }
+  if (window_left > (int64_t{1} << 30) || window_right > (int64_t{1} << 30)) {
+    return Invalid(target, "window sizes above 2**30 are not supported.");
+  }
+  if (!(scale == scale) || scale == INFINITY || scale == -INFINITY) {
+    return Invalid(target, "scale must be finite.");
+  }
+  c->scale = scale;
+  c->causal = causal;
+  c->window_left = window_left;
+  c->window_right = window_right;
+  c->padding = padding != 0;
+  return ffi::Error::Success();
+}
+
+// Float32 bias handed to a graph that takes it in the io dtype: convert into scratch memory.
+ffi::Error BiasPointer(const std::string& target, const Plan& plan, const AttnConfig& c,
+                       ffi::Buffer<ffi::F32> bias, ffi::ScratchAllocator& scratch,
+                       cudaStream_t stream, void** ptr) {
+  *ptr = bias.untyped_data();
+  if (plan.bias_f32) return ffi::Error::Success();
+  const int64_t n = c.bias_b * c.bias_h * c.sq * c.skv;
+  auto mem = scratch.Allocate(static_cast<size_t>(n) * 2, 256);
+  if (!mem.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, target + ": no scratch for the bias");
+  if (cudaError_t e = LaunchF32ToHalf(*mem, bias.typed_data(), n, c.dtype, stream);
+      e != cudaSuccess) {
+    return CudaError(target, "bias conversion", e);
+  }
+  *ptr = *mem;
+  return ffi::Error::Success();
+}
+
+ffi::Error Workspace(const std::string& target, const Plan& plan, ffi::ScratchAllocator& scratch,
+                     void** ptr) {
+  *ptr = nullptr;
+  if (plan.workspace <= 0) return ffi::Error::Success();
+  auto mem = scratch.Allocate(static_cast<size_t>(plan.workspace), 256);
+  if (!mem.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, target + ": could not allocate " +
+                                         std::to_string(plan.workspace) +
+                                         " bytes of cuDNN workspace");
+  }
+  *ptr = *mem;
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                            ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> q_seqlens,
+                            ffi::Buffer<ffi::S32> kv_seqlens, float scale, int32_t causal,
+                            int64_t window_left, int64_t window_right, int32_t padding,
+                            int32_t with_max, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            ffi::Result<ffi::Buffer<ffi::F32>> row_max) {
+  const std::string target = "attnaux_flash_fwd_cudnn";
+  AttnConfig c;
+  c.device = device;
+  c.backward = false;
+  c.with_max = with_max != 0;
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, scale, causal,
+                            window_left, window_right, padding, &c);
+      e.failure()) {
+    return e;
+  }
+  if (out->element_type() != q.element_type()) return Invalid(target, "out must have q's dtype.");
+  if (auto e = ExpectShape(target, "out", out->dimensions(), {c.b, c.sq, c.hq, c.dv});
+      e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "lse", lse->dimensions(), {c.b, c.hq, c.sq}); e.failure()) {
+    return e;
+  }
+  if (c.with_max) {
+    if (auto e = ExpectShape(target, "max", row_max->dimensions(), {c.b, c.hq, c.sq});
+        e.failure()) {
+      return e;
+    }
+  }
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal(target + ": cudaSetDevice failed");
+  std::string error;
+  auto plan = GraphCache::Get().Lookup(c, &error);
+  if (!plan) return ffi::Error::InvalidArgument(target + ": " + error);
+
+  void* bias_ptr = nullptr;
+  if (c.has_bias()) {
+    if (auto e = BiasPointer(target, *plan, c, bias, scratch, stream, &bias_ptr); e.failure()) {
+      return e;
+    }
+  }
+  void* workspace = nullptr;
+  if (auto e = Workspace(target, *plan, scratch, &workspace); e.failure()) return e;
+
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
+      {kO, out->untyped_data()}};
+  if (c.with_max) {
+    pack[kMax] = row_max->untyped_data();
+    pack[kSumExp] = lse->untyped_data();  // Sum_exp lands in lse, turned into lse below
+  } else {
+    pack[kStats] = lse->untyped_data();
+  }
+  if (c.has_bias()) pack[kBias] = bias_ptr;
+  if (c.padding) {
+    pack[kSeqQ] = q_seqlens.untyped_data();
+    pack[kSeqKv] = kv_seqlens.untyped_data();
+  }
+  error = Execute(device, *plan, stream, pack, workspace);
+  if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
+  if (c.with_max) {
+    if (cudaError_t e = LaunchLseFromMaxSumExp(lse->typed_data(), row_max->typed_data(),
+                                               c.b * c.hq * c.sq, stream);
+        e != cudaSuccess) {
+      return CudaError(target, "lse kernel launch", e);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                             ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> q_seqlens,
+                             ffi::Buffer<ffi::S32> kv_seqlens, ffi::AnyBuffer out,
+                             ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats, float scale,
+                             int32_t causal, int64_t window_left, int64_t window_right,
+                             int32_t padding, ffi::Result<ffi::AnyBuffer> dq,
+                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                             ffi::Result<ffi::Buffer<ffi::F32>> dbias) {
+  const std::string target = "attnaux_flash_bwd_cudnn";
+  AttnConfig c;
+  c.device = device;
+  c.backward = true;
+  c.with_max = false;
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, scale, causal,
+                            window_left, window_right, padding, &c);
+      e.failure()) {
+    return e;
+  }
+  const ffi::DataType t = q.element_type();
+  if (out.element_type() != t || dout.element_type() != t || dq->element_type() != t ||
+      dk->element_type() != t || dv->element_type() != t) {
+    return Invalid(target, "out, dout, dq, dk and dv must have q's dtype.");
+  }
+  if (auto e = ExpectShape(target, "out", out.dimensions(), {c.b, c.sq, c.hq, c.dv});
+      e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "dout", dout.dimensions(), {c.b, c.sq, c.hq, c.dv});
+      e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "lse", stats.dimensions(), {c.b, c.hq, c.sq}); e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "dq", dq->dimensions(), {c.b, c.sq, c.hq, c.d}); e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "dk", dk->dimensions(), {c.b, c.skv, c.hk, c.d});
+      e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "dv", dv->dimensions(), {c.b, c.skv, c.hk, c.dv});
+      e.failure()) {
+    return e;
+  }
+  if (c.has_bias()) {
+    if (auto e = ExpectShape(target, "dbias", dbias->dimensions(),
+                             {c.bias_b, c.bias_h, c.sq, c.skv});
+        e.failure()) {
+      return e;
+    }
+  } else if (!Absent(dbias->dimensions())) {
+    return Invalid(target, "dbias must be (0,) without a bias.");
+  }
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal(target + ": cudaSetDevice failed");
+  std::string error;
+  auto plan = GraphCache::Get().Lookup(c, &error);
+  if (!plan) return ffi::Error::InvalidArgument(target + ": " + error);
+
+  void* bias_ptr = nullptr;
+  void* dbias_ptr = nullptr;
+  const int64_t bias_n = c.bias_b * c.bias_h * c.sq * c.skv;
+  if (c.has_bias()) {
+    if (auto e = BiasPointer(target, *plan, c, bias, scratch, stream, &bias_ptr); e.failure()) {
+      return e;
+    }
+    dbias_ptr = dbias->untyped_data();
+    if (!plan->bias_f32) {
+      auto mem = scratch.Allocate(static_cast<size_t>(bias_n) * 2, 256);
+      if (!mem.has_value()) {
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted, target + ": no scratch for dbias");
+      }
+      dbias_ptr = *mem;
+    }
+    // With a padding mask cuDNN may skip padded rows/columns of dbias: start from zeros.
+    if (c.padding) {
+      size_t bytes = static_cast<size_t>(bias_n) * (plan->bias_f32 ? 4 : 2);
+      if (cudaError_t e = cudaMemsetAsync(dbias_ptr, 0, bytes, stream); e != cudaSuccess) {
+        return CudaError(target, "cudaMemsetAsync(dbias)", e);
+      }
+    }
+  }
+  void* workspace = nullptr;
+  if (auto e = Workspace(target, *plan, scratch, &workspace); e.failure()) return e;
+
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q.untyped_data()},       {kK, k.untyped_data()},        {kV, v.untyped_data()},
+      {kO, out.untyped_data()},     {kDO, dout.untyped_data()},    {kStats, stats.untyped_data()},
+      {kDQ, dq->untyped_data()},    {kDK, dk->untyped_data()},     {kDV, dv->untyped_data()}};
+  if (c.has_bias()) {
+    pack[kBias] = bias_ptr;
+    pack[kDBias] = dbias_ptr;
+  }
+  if (c.padding) {
+    pack[kSeqQ] = q_seqlens.untyped_data();
+    pack[kSeqKv] = kv_seqlens.untyped_data();
+  }
+  error = Execute(device, *plan, stream, pack, workspace);
+  if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
+  if (c.has_bias() && !plan->bias_f32) {
+    if (cudaError_t e = LaunchHalfToF32(dbias->typed_data(), dbias_ptr, bias_n, c.dtype, stream);
+        e != cudaSuccess) {
+      return CudaError(target, "dbias conversion", e);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace attnaux_cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AttnauxFlashFwdCudnn, attnaux_cuda::FlashForwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: all work is enqueued on it
+        .Ctx<ffi::ScratchAllocator>()              // cuDNN workspace and bias conversion
+        .Ctx<ffi::DeviceOrdinal>()                 // which GPU (graphs/handles are per device)
+        .Arg<ffi::AnyBuffer>()                     // q [B, Sq, Hq, D] bf16/f16
+        .Arg<ffi::AnyBuffer>()                     // k [B, Skv, Hkv, D]
+        .Arg<ffi::AnyBuffer>()                     // v [B, Skv, Hkv, Dv]
+        .Arg<ffi::Buffer<ffi::F32>>()              // bias [1|B, 1|Hq, Sq, Skv] or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens [B] (read iff padding)
+        .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens [B] (read iff padding)
+        .Attr<float>("scale")                      // multiplies q.k
+        .Attr<int32_t>("causal")                   // 0 none, 1 top-left, 2 bottom-right
+        .Attr<int64_t>("window_left")              // -1 = unbounded
+        .Attr<int64_t>("window_right")             // -1 = unbounded
+        .Attr<int32_t>("padding")                  // 1: mask rows/keys past the seqlens
+        .Attr<int32_t>("with_max")                 // 1: Max + Sum_exp (lse and max), 0: lse only
+        .Ret<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv]
+        .Ret<ffi::Buffer<ffi::F32>>()              // lse [B, Hq, Sq]
+        .Ret<ffi::Buffer<ffi::F32>>());            // max [B, Hq, Sq] (or (0,) when with_max=0)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AttnauxFlashBwdCudnn, attnaux_cuda::FlashBackwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+        .Ctx<ffi::ScratchAllocator>()              // cuDNN workspace, bias conversions
+        .Ctx<ffi::DeviceOrdinal>()                 // which GPU
+        .Arg<ffi::AnyBuffer>()                     // q
+        .Arg<ffi::AnyBuffer>()                     // k
+        .Arg<ffi::AnyBuffer>()                     // v [B, Skv, Hkv, Dv'] (Dv' may carry extra columns)
+        .Arg<ffi::Buffer<ffi::F32>>()              // bias or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens
+        .Arg<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv']
+        .Arg<ffi::AnyBuffer>()                     // dout [B, Sq, Hq, Dv']
+        .Arg<ffi::Buffer<ffi::F32>>()              // lse [B, Hq, Sq] (the softmax stats)
+        .Attr<float>("scale")                      // as in the forward
+        .Attr<int32_t>("causal")                   // as in the forward
+        .Attr<int64_t>("window_left")              // as in the forward
+        .Attr<int64_t>("window_right")             // as in the forward
+        .Attr<int32_t>("padding")                  // as in the forward
+        .Ret<ffi::AnyBuffer>()                     // dq [B, Sq, Hq, D]
+        .Ret<ffi::AnyBuffer>()                     // dk [B, Skv, Hkv, D]
+        .Ret<ffi::AnyBuffer>()                     // dv [B, Skv, Hkv, Dv']
+        .Ret<ffi::Buffer<ffi::F32>>());            // dbias like bias, or (0,)

@@ -1,0 +1,25 @@
+// XLA FFI handlers of the GPU `flash` backend (cuDNN fused attention), see docs/kernel_abi.md.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "xla/ffi/api/c_api.h"
+
+// Forward: out, lse, max (Max + Sum_exp from cuDNN, lse = max + log(sum_exp)) or out, lse only.
+extern "C" XLA_FFI_Error* AttnauxFlashFwdCudnn(XLA_FFI_CallFrame* call_frame);
+// Backward: dq, dk, dv, dbias through cuDNN's sdpa_backward from the saved lse.
+extern "C" XLA_FFI_Error* AttnauxFlashBwdCudnn(XLA_FFI_CallFrame* call_frame);
+
+namespace attnaux_cuda {
+
+// Small kernels (flash_cuda_kernels.cu), launched on XLA's stream.
+// lse[i] = max[i] + log(lse[i]) where lse holds cuDNN's Sum_exp on entry.
+cudaError_t LaunchLseFromMaxSumExp(float* lse_inout, const float* max, int64_t n,
+                                   cudaStream_t stream);
+// dst = src converted, n elements; dtype 0 = bfloat16, 1 = float16.
+cudaError_t LaunchF32ToHalf(void* dst, const float* src, int64_t n, int dtype, cudaStream_t stream);
+cudaError_t LaunchHalfToF32(float* dst, const void* src, int64_t n, int dtype, cudaStream_t stream);
+
+}  // namespace attnaux_cuda

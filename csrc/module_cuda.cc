@@ -1,0 +1,102 @@
+// pybind11 module attnaux._ext_cuda: the GPU `flash` handlers (cuDNN fused attention) as capsules
+// for attnaux._ffi, plus a view of the cuDNN graph cache for tests and `explain`.
+//
+// Importing this module loads no CUDA library beyond the statically linked CUDA runtime: libcudnn
+// is looked up on the first graph build (cudnn_graphs.h, EnsureCudnnLoaded).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "cudnn_graphs.h"
+#include "flash_cuda.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename Fn>
+py::capsule HandlerCapsule(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler takes an XLA_FFI_CallFrame*");
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext_cuda, m) {
+  m.doc() = "attnaux's GPU kernels: cuDNN fused attention behind XLA FFI handlers.";
+  m.def(
+      "registrations",
+      []() {
+        py::dict handlers;
+        handlers["attnaux_flash_fwd_cudnn"] = HandlerCapsule(AttnauxFlashFwdCudnn);
+        handlers["attnaux_flash_bwd_cudnn"] = HandlerCapsule(AttnauxFlashBwdCudnn);
+        return handlers;
+      },
+      "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "
+      "(platform 'CUDA').");
+  m.def(
+      "set_library_hints",
+      [](const std::string& cudnn, const std::string& cudart) {
+        std::lock_guard<std::mutex> lock(attnaux_cuda::LoadMutex());
+        attnaux_cuda::Hints().cudnn = cudnn;
+        attnaux_cuda::Hints().cudart = cudart;
+      },
+      py::arg("cudnn"), py::arg("cudart"),
+      "Paths to dlopen when libcudnn.so.9 / libcudart are not loaded yet (empty: none).");
+  m.def(
+      "cudnn_version", []() { return attnaux_cuda::CudnnVersion(); },
+      "The version of the loaded libcudnn (e.g. 91901), or -1 when it cannot be loaded.");
+  m.def(
+      "check_support",
+      [](int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq, int64_t skv,
+         int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h, bool padding, int causal,
+         int64_t window_left, int64_t window_right, float scale, bool backward, bool with_max) {
+        attnaux_cuda::AttnConfig c;
+        c.device = device;
+        c.dtype = dtype;
+        c.b = b;
+        c.hq = hq;
+        c.hk = hk;
+        c.sq = sq;
+        c.skv = skv;
+        c.d = d;
+        c.dv = dv;
+        c.bias_b = bias_b;
+        c.bias_h = bias_h;
+        c.padding = padding;
+        c.causal = causal;
+        c.window_left = window_left;
+        c.window_right = window_right;
+        c.scale = scale;
+        c.backward = backward;
+        c.with_max = with_max;
+        std::string error;
+        {
+          py::gil_scoped_release release;
+          attnaux_cuda::DeviceGuard guard(device);
+          attnaux_cuda::GraphCache::Get().Lookup(c, &error);
+        }
+        return error;
+      },
+      "Builds (once) and caches the cuDNN graph of this configuration; returns '' when cuDNN "
+      "serves it, else cuDNN's reason.");
+  m.def(
+      "graph_cache_size", []() { return attnaux_cuda::GraphCache::Get().size(); },
+      "Number of cuDNN graph configurations built (or rejected) so far.");
+  m.def(
+      "graph_cache_stats",
+      []() {
+        auto& cache = attnaux_cuda::GraphCache::Get();
+        py::dict d;
+        d["size"] = cache.size();
+        d["builds"] = cache.builds();
+        d["hits"] = cache.hits();
+        return d;
+      },
+      "{'size', 'builds', 'hits'} of the cuDNN graph cache.");
+  m.def(
+      "graph_cache_entries", []() { return attnaux_cuda::GraphCache::Get().entries(); },
+      "[(configuration key, 'ok; workspace ...' or the reason it was rejected)].");
+}

@@ -1,0 +1,383 @@
+"""The `flash` backend on NVIDIA GPUs: cuDNN's fused attention behind attnaux's XLA FFI handlers.
+
+The handlers (`csrc/flash_cuda.cc`, module `attnaux._ext_cuda`) build one cuDNN frontend graph per
+static configuration and cache it. What cuDNN does not give directly is done here, exactly:
+
+- **lse and max**: cuDNN's forward emits `Max` and `Sum_exp`; the handler turns them into
+  `lse = max + log(sum_exp)` on the stream, so the forward returns out, lse and max.
+- **Gradient through lse**: cuDNN's backward forms `D = rowsum(dO * O)` and has no input for an
+  lse cotangent. `dlse` enters exactly by appending columns: `O' = [O, -dlse]`, `dO' = [dO, 1]`,
+  `V' = [V, 0]` gives `rowsum(dO' * O') = D - dlse` while `dO' . V'^T = dO . V^T` (the column
+  carries `-dlse` split into three bf16/f16 parts, summed by cuDNN in float32). Without an lse
+  cotangent (`custom_vjp` symbolic zeros) none of this runs.
+- **Rows with no visible key** (padding rows past `q_seqlens`, windows that see nothing): outputs
+  are set to 0 / -inf here, the backward gets `lse = +inf` for them (so cuDNN's recomputed P is
+  0, never NaN) and zero cotangents, and their gradients are selected to 0.
+
+Not served on GPU (`unavailable` says why; `auto` then uses `reference`): float32/float64 inputs,
+boolean `mask`, segment ids, softcap, sink, dropout, `return_probs`, head dims that are not
+multiples of 8 in [8, 256], bias together with bottom-right causal masking, and any configuration
+cuDNN itself rejects (asked at trace time through `_ext_cuda.check_support`).
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from . import _ffi
+from ._canon import Canonical, Options, Problem
+
+FWD_TARGET = "attnaux_flash_fwd_cudnn"
+BWD_TARGET = "attnaux_flash_bwd_cudnn"
+MAX_HEAD_DIM = 256
+IMPLEMENTATION = "cuDNN fused attention (XLA FFI, gpu)"
+_EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
+
+
+class Config(NamedTuple):
+    """Static configuration of the GPU kernels (hashable: keys the traced functions)."""
+
+    scale: float
+    causal: int
+    window_left: int
+    window_right: int
+    padding: bool
+    with_max: bool
+
+
+def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
+    """Whether cuDNN's padding mask (with the sequence lengths) is used: when lengths were given,
+    and when a bottom-right or windowed mask has q_seq > kv_seq (cuDNN needs it then)."""
+    if getattr(options, "has_seqlens", True):
+        return True
+    return q_seq > kv_seq and (options.causal == 2 or options.window_left >= 0)
+
+
+def _device_ordinal() -> int:
+    try:
+        dev = jax.local_devices(backend="gpu")[0]
+        hw = getattr(dev, "local_hardware_id", None)
+        return int(hw) if hw is not None else int(dev.id)
+    except Exception:  # pragma: no cover - no GPU
+        return 0
+
+
+def unavailable(problem: Problem) -> str | None:
+    """Why the GPU `flash` backend cannot serve `problem`, or None when it can."""
+    a, o = problem.arrays, problem.options
+    if not _ffi.has_target(FWD_TARGET, "gpu"):
+        return (
+            "this build of attnaux has no CUDA handlers (attnaux._ext_cuda was not built: "
+            f"{_ffi.CUDA_IMPORT_ERROR or 'the CUDA toolkit, cuDNN or cudnn-frontend headers were not found at build time'})"
+        )
+    dtype = jnp.dtype(a.q.dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return (
+            f"cuDNN fused attention takes bfloat16 or float16 inputs, got {dtype.name} "
+            "(cast q, k and v to bfloat16 to use it)"
+        )
+    unsupported = []
+    if a.mask is not None:
+        unsupported.append("a boolean `mask`")
+    if a.q_segment_ids is not None:
+        unsupported.append("segment ids")
+    if o.softcap > 0:
+        unsupported.append("softcap")
+    if a.sink is not None:
+        unsupported.append("a sink (cuDNN's row max would include it)")
+    if o.dropout_rate > 0:
+        unsupported.append(
+            "dropout (cuDNN draws its own Philox mask, which attnaux.introspect.dropout_mask does "
+            "not replay)"
+        )
+    if unsupported:
+        return "the cuDNN path does not serve " + ", ".join(unsupported)
+    _, _, _, qk_dim = a.q.shape
+    v_dim = a.v.shape[-1]
+    for name, dim in (("qk_dim", qk_dim), ("v_dim", v_dim)):
+        if dim % 8 != 0 or not 8 <= dim <= MAX_HEAD_DIM:
+            return f"cuDNN needs head dims that are multiples of 8 in [8, 256]; got {name}={dim}"
+    if a.bias is not None and o.causal == 2:
+        return "cuDNN does not combine a bias with bottom-right causal masking"
+    bsz, q_seq, q_heads, _ = a.q.shape
+    kv_seq, kv_heads = a.k.shape[1], a.k.shape[2]
+    if 0 in (bsz, q_seq, kv_seq, q_heads):
+        return None  # zero-sized: answered without cuDNN
+    ext = _ffi.ext_cuda()
+    cfg = _config(o, q_seq, kv_seq, with_max=True)
+    bias_b, bias_h = (0, 0) if a.bias is None else (a.bias.shape[0], a.bias.shape[1])
+    common = (
+        _device_ordinal(), 0 if dtype == jnp.dtype(jnp.bfloat16) else 1, bsz, q_heads, kv_heads,
+        q_seq, kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
+        cfg.window_right, float(np.float32(cfg.scale)),
+    )
+    for backward in (False, True):
+        why = ext.check_support(*common, backward, True)
+        if why:
+            return why
+    return None
+
+
+def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool) -> Config:
+    return Config(
+        scale=float(options.scale),
+        causal=int(options.causal),
+        window_left=int(options.window_left),
+        window_right=int(options.window_right),
+        padding=_padding(options, q_seq, kv_seq),
+        with_max=bool(with_max),
+    )
+
+
+def _attrs(cfg: Config) -> dict:
+    return dict(
+        scale=np.float32(cfg.scale),
+        causal=np.int32(cfg.causal),
+        window_left=np.int64(cfg.window_left),
+        window_right=np.int64(cfg.window_right),
+        padding=np.int32(cfg.padding),
+    )
+
+
+def _present(x: jax.Array) -> bool:
+    return x.ndim > 1 or x.shape != (0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# vmap: fold the mapped axis into the kernel's batch (one launch), like the CPU kernels.
+# ------------------------------------------------------------------------------------------------
+_BIAS = 3  # argument index of the bias; every other argument is per batch element
+
+
+def _fold_rule(fn, dbias_output: int | None):
+    def rule(axis_size, in_batched, *args):
+        bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+        bias = args[_BIAS]
+        bias_present = _present(bias[0] if in_batched[_BIAS] else bias)
+        bias_b = None
+        folded = []
+        for i, (x, b) in enumerate(zip(args, in_batched)):
+            if i == _BIAS:
+                if not bias_present:
+                    folded.append(x[0] if b else x)
+                    continue
+                if not b:
+                    x = jnp.broadcast_to(x, (axis_size, *x.shape))
+                bias_b = x.shape[1]
+                x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
+                folded.append(x.reshape((axis_size * bsz, *x.shape[2:])))
+                continue
+            if not b:
+                x = jnp.broadcast_to(x, (axis_size, *x.shape))
+            folded.append(x.reshape((axis_size * x.shape[1], *x.shape[2:])))
+        outs = fn(*folded)
+        unfolded, batched = [], []
+        for j, o in enumerate(outs):
+            if not _present(o):
+                unfolded.append(o)
+                batched.append(False)
+                continue
+            o = o.reshape((axis_size, o.shape[0] // axis_size, *o.shape[1:]))
+            if j == dbias_output and bias_b == 1:
+                o = jnp.sum(o, axis=1, keepdims=True)
+            unfolded.append(o)
+            batched.append(True)
+        return tuple(unfolded), tuple(batched)
+
+    return rule
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(cfg: Config):
+    @custom_vmap
+    def forward(q, k, v, bias, q_len, kv_len):
+        bsz, q_seq, q_heads, _ = q.shape
+        stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
+        row_max = stats if cfg.with_max else jax.ShapeDtypeStruct((0,), jnp.float32)
+        call = jax.ffi.ffi_call(
+            FWD_TARGET,
+            (jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype), stats, row_max),
+        )
+        return tuple(
+            call(q, k, v, bias, q_len, kv_len, with_max=np.int32(cfg.with_max), **_attrs(cfg))
+        )
+
+    forward.def_vmap(_fold_rule(forward, None))
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_call(cfg: Config):
+    @custom_vmap
+    def backward(q, k, v, bias, q_len, kv_len, out, dout, stats):
+        dbias = jax.ShapeDtypeStruct(bias.shape if _present(bias) else (0,), jnp.float32)
+        call = jax.ffi.ffi_call(
+            BWD_TARGET,
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                dbias,
+            ),
+        )
+        return tuple(call(q, k, v, bias, q_len, kv_len, out, dout, stats, **_attrs(cfg)))
+
+    backward.def_vmap(_fold_rule(backward, 3))
+    return backward
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows with no visible key
+# ------------------------------------------------------------------------------------------------
+def _visible_rows(cfg: Config, q_len, kv_len, q_seq: int) -> jax.Array:
+    """`[B, Sq]` bool: query row i is real (i < q_len) and sees at least one key."""
+    i = jnp.arange(q_seq, dtype=jnp.int32)[None, :]
+    ql, kl = q_len[:, None], kv_len[:, None]
+    off = kl - ql if cfg.causal == 2 else jnp.zeros_like(ql)
+    right = 0 if cfg.causal else cfg.window_right
+    lo = jnp.maximum(0, i + off - cfg.window_left) if cfg.window_left >= 0 else jnp.zeros_like(i)
+    hi = jnp.minimum(kl - 1, i + off + right) if right >= 0 else kl - 1
+    return (i < ql) & (lo <= hi)
+
+
+def _split3(x: jax.Array, dtype) -> jax.Array:
+    """float32 `x` as three `dtype` parts whose float32 sum is `x` to ~24 bits: [..., 3]."""
+    hi = x.astype(dtype)
+    r = x - hi.astype(jnp.float32)
+    mid = r.astype(dtype)
+    lo = (r - mid.astype(jnp.float32)).astype(dtype)
+    return jnp.stack([hi, mid, lo], axis=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The differentiable core
+# ------------------------------------------------------------------------------------------------
+def _forward(cfg: Config, q, k, v, bias, q_len, kv_len):
+    out, lse, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len)
+    if not cfg.with_max:
+        row_max = lse
+    stats = lse
+    if cfg.padding:
+        rows = _visible_rows(cfg, q_len, kv_len, q.shape[1])
+        out = jnp.where(rows[:, :, None, None], out, 0)
+        r = rows[:, None, :]
+        stats = jnp.where(r, lse, jnp.inf)  # recomputed P = exp(s - inf) = 0 for such rows
+        lse = jnp.where(r, lse, -jnp.inf)
+        row_max = jnp.where(r, row_max, -jnp.inf)
+    return out, lse, row_max, stats
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg: Config, q, k, v, bias, q_len, kv_len):
+    out, lse, row_max, _ = _forward(cfg, q, k, v, bias, q_len, kv_len)
+    return out, lse, row_max
+
+
+def _core_fwd(cfg: Config, *primals):
+    args = tuple(p.value for p in primals)
+    out, lse, row_max, stats = _forward(cfg, *args)
+    return (out, lse, row_max), (args, out, stats)
+
+
+def _zero_cotangent(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.SymbolicZero)
+
+
+def _core_bwd(cfg: Config, residuals, cotangents):
+    (q, k, v, bias, q_len, kv_len), out, stats = residuals
+    dout, dlse, _ = cotangents  # the row max carries no gradient
+    no_out, no_lse = _zero_cotangent(dout), _zero_cotangent(dlse)
+    if no_out and no_lse:
+        return (None,) * 6
+    dout = jnp.zeros_like(out) if no_out else dout.astype(out.dtype)
+    if not no_lse:
+        dlse = dlse.astype(jnp.float32)
+    bsz, q_seq, q_heads, _ = q.shape
+    kv_seq, v_dim = k.shape[1], v.shape[-1]
+    if cfg.padding:
+        rows = _visible_rows(cfg, q_len, kv_len, q_seq)
+        dout = jnp.where(rows[:, :, None, None], dout, 0)
+        if not no_lse:
+            dlse = jnp.where(rows[:, None, :], dlse, 0.0)
+    call = _backward_call(cfg)
+    extra = _EXTRA_COLUMNS
+    if no_lse:
+        dq, dk, dv, dbias = call(q, k, v, bias, q_len, kv_len, out, dout, stats)
+    else:
+        parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3]
+        if v_dim + extra <= MAX_HEAD_DIM:
+            # rowsum(dO' * O') = rowsum(dO * O) - dlse; dO' . V'^T = dO . V^T.
+            pad_q = jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)
+            out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
+            dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
+            v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
+            dq, dk, dv, dbias = call(q, k, v_x, bias, q_len, kv_len, out_x, dout_x, stats)
+            dv = dv[..., :v_dim]
+        else:
+            # No room for columns: a second backward with O = 0, dO = -(-dlse) parts, V = 1 gives
+            # dS = P * dlse exactly (its dV is discarded).
+            dq, dk, dv, dbias = call(q, k, v, bias, q_len, kv_len, out, dout, stats)
+            ones = jnp.ones((bsz, kv_seq, k.shape[2], 3), q.dtype)
+            v_1 = jnp.concatenate([ones, jnp.zeros((*ones.shape[:-1], extra - 3), q.dtype)], -1)
+            do_1 = jnp.concatenate(
+                [-parts, jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)], axis=-1
+            )
+            o_1 = jnp.zeros_like(do_1)
+            dq1, dk1, _, dbias1 = call(q, k, v_1, bias, q_len, kv_len, o_1, do_1, stats)
+            dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
+            dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
+            if _present(bias):
+                dbias = dbias + dbias1
+    if cfg.padding:
+        q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
+        kv_rows = (jnp.arange(kv_seq)[None, :] < kv_len[:, None])[:, :, None, None]
+        dq = jnp.where(q_rows[:, :, None, None], dq, 0)
+        dk = jnp.where(kv_rows, dk, 0)
+        dv = jnp.where(kv_rows, dv, 0)
+        # dbias needs nothing: cuDNN's dS is 0 at padded rows (lse = +inf) and masked keys, and
+        # the handler zeroes dbias first in case cuDNN skips them.
+    return (dq, dk, dv, dbias if _present(bias) else None, None, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+
+
+def flash_attention_cuda(
+    arrays: Canonical, options: Options, *, with_max: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
+
+    `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max; it
+    exists to measure what the max costs (benchmarks/gpu_flash.py).
+    """
+    q, k, v = arrays.q, arrays.k, arrays.v
+    bsz, q_seq, q_heads, _ = q.shape
+    kv_seq, v_dim = k.shape[1], v.shape[-1]
+    if 0 in (bsz, q_seq, q_heads, kv_seq):
+        # Nothing for cuDNN to do: every row (if any) sees no key.
+        out = jnp.zeros((bsz, q_seq, q_heads, v_dim), q.dtype)
+        none = jnp.full((bsz, q_heads, q_seq), -jnp.inf, jnp.float32)
+        return out, none, none
+    cfg = _config(options, q_seq, kv_seq, with_max=with_max)
+    bias = arrays.bias
+    if bias is None:
+        bias = jnp.zeros((0,), jnp.float32)
+    else:  # cuDNN broadcasts batch and heads; the sequence dims are materialised
+        bias = jnp.broadcast_to(
+            bias.astype(jnp.float32), (bias.shape[0], bias.shape[1], q_seq, kv_seq)
+        )
+    q_len = jnp.clip(arrays.q_seqlens.astype(jnp.int32), 0, q_seq)
+    kv_len = jnp.clip(arrays.kv_seqlens.astype(jnp.int32), 0, kv_seq)
+    if cfg.padding:
+        # cuDNN's tiles may still load rows past the lengths (0 * NaN = NaN in P @ V): padding
+        # never reaches it. Gradients of these rows are 0 through the selection.
+        q_rows = (jnp.arange(q_seq)[None, :] < q_len[:, None])[:, :, None, None]
+        kv_rows = (jnp.arange(kv_seq)[None, :] < kv_len[:, None])[:, :, None, None]
+        q = jnp.where(q_rows, q, 0)
+        k = jnp.where(kv_rows, k, 0)
+        v = jnp.where(kv_rows, v, 0)
+    return _core(cfg, q, k, v, bias, q_len, kv_len)
