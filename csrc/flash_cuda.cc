@@ -355,6 +355,54 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
 }
 
 }  // namespace
+
+void SetLibraryHints(const std::string& cudnn, const std::string& cudart) {
+  std::lock_guard<std::mutex> lock(LoadMutex());
+  Hints().cudnn = cudnn;
+  Hints().cudart = cudart;
+}
+
+int64_t LoadedCudnnVersion() { return CudnnVersion(); }
+
+std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
+                         int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
+                         bool padding, int causal, int64_t window_left, int64_t window_right,
+                         float scale, bool backward, bool with_max) {
+  AttnConfig c;
+  c.device = device;
+  c.dtype = dtype;
+  c.b = b;
+  c.hq = hq;
+  c.hk = hk;
+  c.sq = sq;
+  c.skv = skv;
+  c.d = d;
+  c.dv = dv;
+  c.bias_b = bias_b;
+  c.bias_h = bias_h;
+  c.padding = padding;
+  c.causal = causal;
+  c.window_left = window_left;
+  c.window_right = window_right;
+  c.scale = scale;
+  c.backward = backward;
+  c.with_max = with_max;
+  std::string error;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return "cudaSetDevice(" + std::to_string(device) + ") failed";
+  GraphCache::Get().Lookup(c, &error);
+  return error;
+}
+
+CacheStats GetCacheStats() {
+  auto& cache = GraphCache::Get();
+  return CacheStats{cache.size(), cache.builds(), cache.hits()};
+}
+
+std::vector<std::pair<std::string, std::string>> GetCacheEntries() {
+  return GraphCache::Get().entries();
+}
+
 }  // namespace attnaux_cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -4,6 +4,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -21,5 +24,19 @@ cudaError_t LaunchLseFromMaxSumExp(float* lse_inout, const float* max, int64_t n
 // dst = src converted, n elements; dtype 0 = bfloat16, 1 = float16.
 cudaError_t LaunchF32ToHalf(void* dst, const float* src, int64_t n, int dtype, cudaStream_t stream);
 cudaError_t LaunchHalfToF32(float* dst, const void* src, int64_t n, int dtype, cudaStream_t stream);
+
+// Graph cache and library access for module_cuda.cc (implemented in flash_cuda.cc, which alone
+// compiles the cuDNN frontend).
+void SetLibraryHints(const std::string& cudnn, const std::string& cudart);
+int64_t LoadedCudnnVersion();
+std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
+                         int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
+                         bool padding, int causal, int64_t window_left, int64_t window_right,
+                         float scale, bool backward, bool with_max);
+struct CacheStats {
+  int64_t size, builds, hits;
+};
+CacheStats GetCacheStats();
+std::vector<std::pair<std::string, std::string>> GetCacheEntries();
 
 }  // namespace attnaux_cuda

@@ -8,7 +8,6 @@
 
 #include <string>
 
-#include "cudnn_graphs.h"
 #include "flash_cuda.h"
 
 namespace py = pybind11;
@@ -36,67 +35,36 @@ PYBIND11_MODULE(_ext_cuda, m) {
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "
       "(platform 'CUDA').");
-  m.def(
-      "set_library_hints",
-      [](const std::string& cudnn, const std::string& cudart) {
-        std::lock_guard<std::mutex> lock(attnaux_cuda::LoadMutex());
-        attnaux_cuda::Hints().cudnn = cudnn;
-        attnaux_cuda::Hints().cudart = cudart;
-      },
-      py::arg("cudnn"), py::arg("cudart"),
-      "Paths to dlopen when libcudnn.so.9 / libcudart are not loaded yet (empty: none).");
-  m.def(
-      "cudnn_version", []() { return attnaux_cuda::CudnnVersion(); },
-      "The version of the loaded libcudnn (e.g. 91901), or -1 when it cannot be loaded.");
+  m.def("set_library_hints", &attnaux_cuda::SetLibraryHints, py::arg("cudnn"), py::arg("cudart"),
+        "Paths to dlopen when libcudnn.so.9 / libcudart are not loaded yet (empty: none).");
+  m.def("cudnn_version", &attnaux_cuda::LoadedCudnnVersion,
+        "The version of the loaded libcudnn (e.g. 91901), or -1 when it cannot be loaded.");
   m.def(
       "check_support",
       [](int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq, int64_t skv,
          int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h, bool padding, int causal,
          int64_t window_left, int64_t window_right, float scale, bool backward, bool with_max) {
-        attnaux_cuda::AttnConfig c;
-        c.device = device;
-        c.dtype = dtype;
-        c.b = b;
-        c.hq = hq;
-        c.hk = hk;
-        c.sq = sq;
-        c.skv = skv;
-        c.d = d;
-        c.dv = dv;
-        c.bias_b = bias_b;
-        c.bias_h = bias_h;
-        c.padding = padding;
-        c.causal = causal;
-        c.window_left = window_left;
-        c.window_right = window_right;
-        c.scale = scale;
-        c.backward = backward;
-        c.with_max = with_max;
-        std::string error;
-        {
-          py::gil_scoped_release release;
-          attnaux_cuda::DeviceGuard guard(device);
-          attnaux_cuda::GraphCache::Get().Lookup(c, &error);
-        }
-        return error;
+        py::gil_scoped_release release;
+        return attnaux_cuda::CheckSupport(device, dtype, b, hq, hk, sq, skv, d, dv, bias_b, bias_h,
+                                          padding, causal, window_left, window_right, scale,
+                                          backward, with_max);
       },
       "Builds (once) and caches the cuDNN graph of this configuration; returns '' when cuDNN "
       "serves it, else cuDNN's reason.");
   m.def(
-      "graph_cache_size", []() { return attnaux_cuda::GraphCache::Get().size(); },
+      "graph_cache_size", []() { return attnaux_cuda::GetCacheStats().size; },
       "Number of cuDNN graph configurations built (or rejected) so far.");
   m.def(
       "graph_cache_stats",
       []() {
-        auto& cache = attnaux_cuda::GraphCache::Get();
+        auto s = attnaux_cuda::GetCacheStats();
         py::dict d;
-        d["size"] = cache.size();
-        d["builds"] = cache.builds();
-        d["hits"] = cache.hits();
+        d["size"] = s.size;
+        d["builds"] = s.builds;
+        d["hits"] = s.hits;
         return d;
       },
       "{'size', 'builds', 'hits'} of the cuDNN graph cache.");
-  m.def(
-      "graph_cache_entries", []() { return attnaux_cuda::GraphCache::Get().entries(); },
-      "[(configuration key, 'ok; workspace ...' or the reason it was rejected)].");
+  m.def("graph_cache_entries", &attnaux_cuda::GetCacheEntries,
+        "[(configuration key, 'ok; workspace ...' or the reason it was rejected)].");
 }

@@ -40,8 +40,61 @@ def _attrs(options: Options) -> dict:
     )
 
 
+def _members(values: jax.Array, pool: jax.Array, pool_valid: jax.Array) -> jax.Array:
+    """`bool[B, n]`: whether each of `values[b]` occurs among the valid entries of `pool[b]`."""
+
+    def one(values, pool, pool_valid):
+        big = jnp.iinfo(jnp.int32).max
+        ordered = jnp.sort(jnp.where(pool_valid, pool, big))
+        at = jnp.clip(jnp.searchsorted(ordered, values), 0, max(pool.shape[0] - 1, 0))
+        found = ordered[at] == values if pool.shape[0] else jnp.zeros(values.shape, bool)
+        return found & ((values != big) | jnp.any(pool_valid & (pool == big)))
+
+    return jax.vmap(one)(values, pool, pool_valid)
+
+
+def zero_hidden_rows(arrays: Canonical) -> Canonical:
+    """Zeroes the q rows and k/v rows that the mask or the segment ids hide from every partner.
+
+    The kernels skip padding (rows past the sequence lengths) and select, never multiply, inside
+    a tile; but a key hidden only by a boolean mask (say a key-padding mask) still sits inside the
+    products `P @ V` and `dS @ K` with weight 0, and `0 * NaN` is NaN. Zeroing such rows first
+    keeps the convention that nothing stored in a masked-out position reaches any output or
+    gradient. Costs one pass over q, k and v, and only when a mask or segment ids are given.
+    """
+    if arrays.mask is None and arrays.q_segment_ids is None:
+        return arrays
+    bsz, q_seq, q_heads, _ = arrays.q.shape
+    kv_seq, kv_heads = arrays.k.shape[1:3]
+    group = q_heads // kv_heads
+    q_rows = jnp.ones((bsz, q_seq, 1), bool)  # [B, Sq, Hq or 1]
+    kv_rows = jnp.ones((bsz, kv_seq, 1), bool)  # [B, Skv, Hkv or 1]
+    if arrays.mask is not None:  # conservative: any key / any query of the mask, per head
+        m = arrays.mask
+        q_rows = q_rows & jnp.broadcast_to(
+            m.any(axis=3).transpose(0, 2, 1), (m.shape[0], q_seq, m.shape[1]))
+        kv_any = m.any(axis=2)  # [Bm, Hm, Skvm]
+        if m.shape[1] == q_heads and group > 1:
+            kv_any = kv_any.reshape(m.shape[0], kv_heads, group, -1).any(axis=2)
+        kv_rows = kv_rows & jnp.broadcast_to(
+            kv_any.transpose(0, 2, 1), (m.shape[0], kv_seq, kv_any.shape[1]))
+    if arrays.q_segment_ids is not None:
+        q_valid = jnp.arange(q_seq) < jnp.clip(arrays.q_seqlens, 0, q_seq)[:, None]
+        kv_valid = jnp.arange(kv_seq) < jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None]
+        q_seg, kv_seg = arrays.q_segment_ids, arrays.kv_segment_ids
+        q_rows = q_rows & _members(q_seg, kv_seg, kv_valid)[..., None]
+        kv_rows = kv_rows & _members(kv_seg, q_seg, q_valid)[..., None]
+    return arrays._replace(
+        q=jnp.where(q_rows[..., None], arrays.q, 0),
+        k=jnp.where(kv_rows[..., None], arrays.k, 0),
+        v=jnp.where(kv_rows[..., None], arrays.v, 0),
+    )
+
+
 def kernel_args(arrays: Canonical) -> tuple[jax.Array, ...]:
-    """The canonical arrays as the kernel takes them: absent inputs as empty `(0,)` arrays."""
+    """The canonical arrays as the kernel takes them: rows hidden by the mask or segment ids
+    zeroed (see `zero_hidden_rows`), absent inputs as empty `(0,)` arrays."""
+    arrays = zero_hidden_rows(arrays)
     return tuple(
         jnp.zeros((0,), dtype) if x is None else x for x, dtype in zip(arrays, _EMPTY_DTYPES)
     )
