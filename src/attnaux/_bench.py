@@ -22,8 +22,10 @@ import os
 import platform
 import re
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -249,8 +251,18 @@ def _reset_peak_rss() -> bool:
     return True
 
 
-def measure_memory(candidate: str, pass_: str, shape: Shape) -> dict:
-    """Runs in the child process: the peak RSS one candidate's call adds; see the module doc."""
+def _hwm_of(pid: int) -> int:
+    """Another process's RSS high-water mark (`VmHWM`), or 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+    except (OSError, AttributeError):
+        return 0
+
+
+def measure_memory(candidate: str, pass_: str, shape: Shape) -> None:
+    """Runs in the child process; prints two JSON lines: the state before the calls (so that the
+    parent still knows it if the calls get the process killed), then the measurement."""
     args = make_inputs(shape)
     compiled = build(candidate, False, pass_).lower(*args).compile()
     try:
@@ -260,28 +272,55 @@ def measure_memory(candidate: str, pass_: str, shape: Shape) -> dict:
         temp = output = None
     reset = _reset_peak_rss()
     baseline = _rss_bytes()
+    print(json.dumps(dict(baseline=baseline, temp=temp, output=output, hwm_reset=reset)),
+          flush=True)
     for _ in range(2):  # a first call and a repeated one: buffers an allocator keeps still count
         result = jax.block_until_ready(compiled(*args))
         del result
     peak = _peak_rss_bytes()
     ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # for the record
-    return dict(peak_increase=peak - baseline, baseline=baseline, peak=peak, ru_maxrss=ru_maxrss,
-                temp=temp, output=output, hwm_reset=reset)
+    print(json.dumps(dict(peak_increase=peak - baseline, peak=peak, ru_maxrss=ru_maxrss)),
+          flush=True)
 
 
-def run_memory_child(candidate: str, pass_: str, shape: Shape) -> dict:
-    """Runs `measure_memory` in a fresh Python process; returns its result or `{"error": ...}`."""
+def run_memory_child(candidate: str, pass_: str, shape: Shape, timeout: float = 900) -> dict:
+    """Runs `measure_memory` in a fresh Python process and returns what it reported.
+
+    While the child runs, its high-water mark is polled, so that a child killed on the way (by
+    the out-of-memory killer, typically) still yields a lower bound, `peak_at_least`; `error`
+    then says what happened.
+    """
     command = [sys.executable, "-m", "attnaux._bench", "_memory", candidate, pass_,
                shape_str(shape)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out after 900 s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit status {done.returncode}: {tail}"}
-    return json.loads(lines[-1])
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        seen, deadline, timed_out = 0, time.monotonic() + timeout, False
+        while child.poll() is None:
+            seen = max(seen, _hwm_of(child.pid))
+            if time.monotonic() > deadline:
+                child.kill()
+                child.wait()
+                timed_out = True
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        lines, err_lines = out.read().splitlines(), err.read().strip().splitlines()
+    result: dict = {}
+    for line in lines:
+        if line.startswith("{"):
+            result.update(json.loads(line))
+    code = child.returncode
+    if code == 0 and "peak_increase" in result:
+        return result
+    if timed_out:
+        result["error"] = f"timed out after {timeout:.0f} s"
+    elif code == -signal.SIGKILL:
+        result["error"] = "killed by SIGKILL (most likely the out-of-memory killer)"
+    else:
+        result["error"] = f"exit status {code}: {(err_lines or ['no output'])[-1]}"
+    if "baseline" in result and seen > result["baseline"]:
+        result["peak_at_least"] = seen - result["baseline"]
+    return result
 
 
 def run_memory(shape: Shape, flash_reason: str | None) -> dict:
@@ -294,14 +333,12 @@ def run_memory(shape: Shape, flash_reason: str | None) -> dict:
                 _progress(f"{head}  skipped (flash unavailable)")
                 continue
             start = time.perf_counter()
-            result = run_memory_child(candidate, pass_, shape)
-            results[(candidate, pass_)] = result
+            result = results[(candidate, pass_)] = run_memory_child(candidate, pass_, shape)
             took = time.perf_counter() - start
-            if "error" in result:
-                _progress(f"{head}  FAILED: {result['error']}")
-            else:
-                _progress(f"{head} peak RSS +{_mib(result['peak_increase'])} MiB, XLA temp "
-                          f"{_mib(result['temp'])} MiB ({took:.0f} s)")
+            peak = _peak_text(result)
+            message = f"FAILED: {result['error']}; " if "error" in result else ""
+            _progress(f"{head} {message}peak RSS +{peak} MiB, XLA temp "
+                      f"{_mib(result.get('temp'))} MiB ({took:.0f} s)")
     return results
 
 
@@ -311,6 +348,14 @@ def _mib(n: int | None) -> str:
     return f"{n / 2**20:.1f}" if abs(n) < 10 * 2**20 else f"{n / 2**20:,.0f}"
 
 
+def _peak_text(result: dict) -> str:
+    if "peak_increase" in result:
+        return _mib(result["peak_increase"])
+    if "peak_at_least" in result:
+        return f"> {_mib(result['peak_at_least'])} (killed)"
+    return "-"
+
+
 def memory_table(shape: Shape, results: dict) -> list[str]:
     header = ["measure", "pass", LABELS["attnaux"], LABELS["xla"], "XLA / attnaux"]
     rows = []
@@ -318,9 +363,17 @@ def memory_table(shape: Shape, results: dict) -> list[str]:
                         ("temp", "XLA temp buffers (MiB)"),
                         ("output", "output buffers (MiB)")):
         for pass_ in PASSES:
-            a, x = (results[(c, pass_)].get(field) for c in ("attnaux", "xla"))
+            a, x = (results[(c, pass_)] for c in ("attnaux", "xla"))
+            if field == "peak_increase":
+                cells = [_peak_text(a), _peak_text(x)]
+                a = a.get("peak_increase")
+                x = x.get("peak_increase", x.get("peak_at_least"))
+                bound = "peak_increase" not in results[("xla", pass_)]
+            else:
+                a, x = a.get(field), x.get(field)
+                cells, bound = [_mib(a), _mib(x)], False
             ratio = "-" if not (a and x) else f"{x / a:.1f}x" if x < 10 * a else f"{x / a:.0f}x"
-            rows.append([name, PASS_NAMES[pass_], _mib(a), _mib(x), ratio])
+            rows.append([name, PASS_NAMES[pass_], *cells, ("> " if bound and a else "") + ratio])
     return markdown(header, rows)
 
 
@@ -424,12 +477,13 @@ def main(args: argparse.Namespace) -> int:
             "",
             *memory_table(memory_shape, memory),
         ]
-    errors = [(k, c.error) for k, c in cells.items() if c.error and c.error != "skipped"]
-    errors += [((memory_shape, False, p, c), r["error"]) for (c, p), r in (memory or {}).items()
+    errors = [f"{LABELS[c]} {shape_str(shape)} causal={causal} {pass_} failed: {cell.error}"
+              for (shape, causal, pass_, c), cell in cells.items()
+              if cell.error and cell.error != "skipped"]
+    errors += [f"{LABELS[c]} peak-memory run {pass_} at {shape_str(memory_shape)} failed: "
+               f"{r['error']}" for (c, pass_), r in (memory or {}).items()
                if "error" in r and r["error"] != "skipped"]
-    for (shape, causal, pass_, candidate), error in errors:
-        notes.append(f"{LABELS[candidate]} {shape_str(shape)} causal={causal} {pass_} failed: "
-                     f"{error.splitlines()[0]}")
+    notes += [e.splitlines()[0] for e in errors]
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     print("\n".join(lines), flush=True)
@@ -437,13 +491,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _child(argv: list[str]) -> int:
-    """`python -m attnaux._bench _memory CANDIDATE PASS SHAPE`: prints one JSON line."""
+    """`python -m attnaux._bench _memory CANDIDATE PASS SHAPE`: prints two JSON lines."""
     parser = argparse.ArgumentParser(prog="python -m attnaux._bench _memory")
     parser.add_argument("candidate", choices=tuple(CANDIDATES))
     parser.add_argument("pass_", choices=PASSES, metavar="pass")
     parser.add_argument("shape", type=parse_shape)
     args = parser.parse_args(argv)
-    print(json.dumps(measure_memory(args.candidate, args.pass_, args.shape)), flush=True)
+    measure_memory(args.candidate, args.pass_, args.shape)
     return 0
 
 

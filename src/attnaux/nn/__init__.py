@@ -1,5 +1,7 @@
 """Equinox layers running on attnaux backends."""
 
 from ._attention import MultiheadAttention as MultiheadAttention
+from ._decoder import Decoder as Decoder
+from ._decoder import DecoderBlock as DecoderBlock
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["Decoder", "DecoderBlock", "MultiheadAttention"]

@@ -142,6 +142,7 @@ class MultiheadAttention(eqx.Module):
         causal: bool | str | None = None,
         dropout_rate: float | None = None,
         backend: str | None = None,
+        return_probs: bool = False,
     ) -> tuple[Float[Array, "q_seq o_size"], AttnAux]:
         """**Arguments:**
 
@@ -155,6 +156,7 @@ class MultiheadAttention(eqx.Module):
           the projections (for example rotary embeddings); must keep their shapes.
         - `causal`, `backend`: override the layer's defaults for this call.
         - `dropout_rate`: overrides `dropout_p` for this call.
+        - `return_probs`: also return the attention probabilities in `aux.probs`.
 
         **Returns:**
 
@@ -196,7 +198,7 @@ class MultiheadAttention(eqx.Module):
             q_heads, k_heads, v_heads, mask=mask,
             causal=self.causal if causal is None else causal,
             dropout_rate=float(rate), key=key,
-            backend=self.backend if backend is None else backend,
+            backend=self.backend if backend is None else backend, return_probs=return_probs,
         )
         out = out.reshape(query.shape[0], self.num_heads * self.vo_size)
         return jax.vmap(self.output_proj)(out), aux
