@@ -3,6 +3,7 @@
 
 #include "flash_cpu.h"
 #include "probs_registry.h"
+#include "softmax_registry.h"
 
 namespace py = pybind11;
 
@@ -26,6 +27,7 @@ PYBIND11_MODULE(_ext, m) {
         handlers["attnaux_flash_fwd"] = HandlerCapsule(AttnauxFlashFwdCpu);
         handlers["attnaux_flash_bwd"] = HandlerCapsule(AttnauxFlashBwdCpu);
         attnaux::AddProbsRegistrations(handlers);
+        attnaux::AddSoftmaxRegistrations(handlers);
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target.");

@@ -1,8 +1,7 @@
 """Shared machinery: options in canonical form, and logits recomputed one key block at a time.
 
-The masking is the one of `attnaux._reference.visibility` (and of `docs/kernel_abi.md`), written
-here for a slice of key positions so that nothing of size `q_seq x kv_seq` is ever formed (the
-tests check the two agree). Every function that recomputes probabilities from `aux.lse` goes
+The masking is `attnaux._reference.visibility` (the rules of `docs/kernel_abi.md`), evaluated for
+one slice of key positions at a time so that nothing of size `q_seq x kv_seq` is ever formed. Every function that recomputes probabilities from `aux.lse` goes
 through `block_scores`, so there is one definition of the logits in this package.
 """
 
@@ -18,6 +17,7 @@ from jaxtyping import Array
 from attnaux._aux import AttnAux
 from attnaux._canon import Canonical, Options, Problem, _static_float, canonicalize
 from attnaux._philox import _mulhilo, keep_threshold, philox4x32_10
+from attnaux._reference import visibility
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
 Arr = Array | np.ndarray
@@ -146,24 +146,8 @@ def block_visibility(
     arrays: Canonical, options: Options, j: jax.Array, mask_blk, kv_seg_blk, kv_seq: int
 ) -> jax.Array:
     """`bool[B, Hq or 1, Sq, block]`: `attnaux._reference.visibility` for key positions `j`."""
-    bsz, q_seq = arrays.q.shape[:2]
-    i = jnp.arange(q_seq, dtype=jnp.int32)[None, None, :, None]
-    j = j.astype(jnp.int32)[None, None, None, :]
-    q_len = jnp.clip(arrays.q_seqlens, 0, q_seq)[:, None, None, None]
-    kv_len = jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None, None, None]
-    visible = (i < q_len) & (j < kv_len)
-    offset = kv_len - q_len if options.causal == 2 else 0
-    if options.causal:
-        visible &= j <= i + offset
-    if options.window_left >= 0:
-        visible &= j >= i + offset - options.window_left
-    if options.window_right >= 0:
-        visible &= j <= i + offset + options.window_right
-    if mask_blk is not None:
-        visible &= mask_blk
-    if kv_seg_blk is not None:
-        visible &= arrays.q_segment_ids[:, None, :, None] == kv_seg_blk[:, None, None, :]
-    return jnp.broadcast_to(visible, (bsz, visible.shape[1], q_seq, j.shape[-1]))
+    sliced = arrays._replace(mask=mask_blk, kv_segment_ids=kv_seg_blk)
+    return visibility(sliced, options, keys=j, kv_seq=kv_seq)
 
 
 def keep_block(

@@ -200,7 +200,7 @@ CASES = [
          r"`return_probs` must be a bool; got 1", "return_probs", canon=False),
     # --- scale, softcap ------------------------------------------------------------------------
     Case("scale_traced", _jit_scale, TypeError,
-         r"`scale` must be a static Python float.*traced", "scale"),
+         r"`scale` must be a static Python float.*traced", None),
     Case("scale_str", _kw(scale="0.5"), TypeError, r"`scale` must be a Python float; got '0.5'",
          "scale"),
     Case("scale_inf", _kw(scale=float("inf")), ValueError, r"`scale` must be finite; got inf",
@@ -210,7 +210,7 @@ CASES = [
     Case("softcap_negative", _kw(softcap=-2.0), ValueError,
          r"`softcap` must be a positive float or None; got -2\.0", None),
     Case("softcap_traced", _jit_softcap, TypeError, r"`softcap` must be a static Python float",
-         "softcap"),
+         None),
     # --- sink ----------------------------------------------------------------------------------
     Case("sink_wrong_length", _kw(sink=jnp.zeros((HQ - 1,))), ValueError,
          r"`sink` must have shape \[q_heads\] = \(4,\).*got shape \(3,\)", "sink"),

@@ -47,6 +47,7 @@ import oracle
 pytestmark = requires_flash
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+DTYPES_ALL = [F32, BF16, F16]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,27 +158,37 @@ def _run_option_case(name, dtype, shape, seed=0):
     check_parity(q, k, v, opts, seed)
 
 
-@pytest.mark.parametrize("name,dtype,shape", _option_cases(OPTION_SETS, [F32], OPTION_SHAPES))
+# Default: every option set in float32 at the one-tile shape and at one multi-tile shape
+# (alternating q_seq < kv_seq and q_seq > kv_seq); the slow sweep runs every shape.
+_MULTI_TILE = ["70x133", "133x70"]
+
+
+@pytest.mark.parametrize(
+    "name,dtype,shape",
+    [c for n, name in enumerate(OPTION_SETS)
+     for c in _option_cases([name], [F32], ["9x23", _MULTI_TILE[n % 2]])])
 def test_options(name, dtype, shape):
     _run_option_case(name, dtype, shape)
 
 
-LOW_PRECISION_OPTIONS = ["plain", "bias-B1QK", "mask-BHQK", "causal-bottom_right", "window-16-3",
-                         "seqlens-bottom_right", "segments-bottom_right-seqlens", "softcap-bias",
-                         "sink-mask-seqlens", "all"]
+LOW_PRECISION_OPTIONS = ["plain", "bias-B1QK", "mask-BHQK", "causal-top_left",
+                         "causal-bottom_right", "window-16-3", "seqlens-bottom_right",
+                         "segments-bottom_right-seqlens", "softcap-bias", "sink-mask-seqlens",
+                         "all"]
 
 
-@pytest.mark.parametrize("name,dtype,shape",
-                         _option_cases(LOW_PRECISION_OPTIONS, [BF16, F16], ["133x70"])
-                         + _option_cases(["causal-top_left", "all"], [BF16, F16], ["70x133"]))
+@pytest.mark.parametrize(
+    "name,dtype,shape",
+    [c for n, name in enumerate(LOW_PRECISION_OPTIONS)
+     for c in _option_cases([name], [[BF16, F16][n % 2]], [_MULTI_TILE[n % 2]])]
+    + _option_cases(["all"], [F16], ["70x133"]) + _option_cases(["all"], [BF16], ["133x70"]))
 def test_options_low_precision(name, dtype, shape):
     _run_option_case(name, dtype, shape)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dtype,shape",
-                         _option_cases(OPTION_SETS, [BF16, F16], OPTION_SHAPES))
-def test_options_low_precision_sweep(name, dtype, shape):
+@pytest.mark.parametrize("name,dtype,shape", _option_cases(OPTION_SETS, DTYPES_ALL, OPTION_SHAPES))
+def test_options_sweep(name, dtype, shape):
     _run_option_case(name, dtype, shape)
 
 
@@ -196,9 +207,6 @@ def _shape_case(sq, skv, d, dv, hq, hkv, dtype, causal):
     return pytest.param(sq, skv, d, dv, hq, hkv, dtype, causal,
                         id=f"{sq}x{skv}-d{d}" + (f"-dv{dv}" if dv != d else "")
                         + f"-h{hq}:{hkv}-{c}-{dtype_id(dtype)}")
-
-
-DTYPES_ALL = [F32, BF16, F16]
 
 
 def _default_shape_cases():
@@ -238,9 +246,10 @@ def test_shapes_sweep(sq, skv, d, dv, hq, hkv, dtype, causal):
 # ------------------------------------------------------------------------------------------------
 # Heads, batch dims and broadcasting (bias with its gradient)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (4, 4), (6, 3), (1, 1)],
-                         ids=["gqa8:2", "mqa8:1", "mha4:4", "gqa6:3", "single-head"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("hq,hkv,dtype", [
+    pytest.param(8, 2, F32, id="gqa8:2-f32"), pytest.param(8, 1, BF16, id="mqa8:1-bf16"),
+    pytest.param(4, 4, F16, id="mha4:4-f16"), pytest.param(6, 3, F32, id="gqa6:3-f32"),
+    pytest.param(1, 1, BF16, id="single-head-bf16"), pytest.param(8, 1, F32, id="mqa8:1-f32")])
 def test_heads(hq, hkv, dtype):
     opts = dict(bias="BHQK", causal="bottom_right", kv_seqlens="rand", sink=True)
     q, k, v, opts = build(hq * 10 + hkv, (2,), 67, 90, hq, hkv, 32, 32, dtype, opts)
@@ -463,8 +472,9 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 
 def test_memory_is_linear_in_sequence_length():
     """Peak RSS growth of a forward+backward at 1 x 4096 x 1 x 32: the float32 score matrix is
-    64 MiB. The reference (control: shows the measurement sees quadratic buffers) must grow by
-    more than that; flash by less than a quarter of it."""
+    64 MiB. The reference (control: shows that the measurement sees quadratic buffers; it grows
+    by ~50 MiB here, XLA fusing most of its matrices) must grow by more than half of that; flash
+    by less than an eighth (its O(seq) buffers are ~3 MiB)."""
     s = 4096
     score_kib = s * s * 4 // 1024
     grown = {}
@@ -473,7 +483,7 @@ def test_memory_is_linear_in_sequence_length():
                               check=True, env=_child_env(), timeout=300, capture_output=True,
                               text=True)
         grown[backend] = json.loads(proc.stdout.strip().splitlines()[-1])["grown_kib"]
-    assert grown["reference"] > score_kib, f"control failed: {grown}"
-    assert grown["flash"] < score_kib // 4, (
+    assert grown["reference"] > score_kib // 2, f"control failed: {grown}"
+    assert grown["flash"] < score_kib // 8, (
         f"flash grew peak RSS by {grown['flash']} KiB at seq {s} (score matrix {score_kib} KiB): "
         f"{grown}")

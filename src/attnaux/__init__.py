@@ -11,15 +11,30 @@ from . import _ffi as _ffi  # registers the compiled kernels with XLA on import
 from ._attention import attention as attention, explain as explain
 from ._aux import AttnAux as AttnAux
 from ._dispatch import Explanation as Explanation
+from ._softmax import (
+    KernelAvailability as KernelAvailability,
+    softmax as softmax,
+    softmax_kernel_available as softmax_kernel_available,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["AttnAux", "Explanation", "attention", "explain", "introspect"]
+__all__ = [
+    "AttnAux",
+    "Explanation",
+    "KernelAvailability",
+    "attention",
+    "explain",
+    "introspect",
+    "nn",
+    "softmax",
+    "softmax_kernel_available",
+]
 
 
 def __getattr__(name):
-    if name == "introspect":  # lazily, so `import attnaux` stays light
+    if name in ("introspect", "nn"):  # lazily, so `import attnaux` stays light
         import importlib
 
-        return importlib.import_module("attnaux.introspect")
+        return importlib.import_module(f"attnaux.{name}")
     raise AttributeError(f"module 'attnaux' has no attribute {name!r}")

@@ -6,7 +6,7 @@ from beartype import BeartypeConf, beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 
 from ._aux import AttnAux
-from ._canon import canonicalize, parse_causal, parse_window, _static_float
+from ._canon import _static_float, canonicalize, check_key, parse_causal, parse_window
 from ._dispatch import Explanation, check_backend, choose
 from ._flash import flash_attention
 from ._probs import probs_attention
@@ -15,6 +15,9 @@ from ._reference import reference_attention
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
 _Arr = Array | np.ndarray
 _typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
+# Static floats: Python or NumPy scalars, or a concrete 0-d JAX array (traced ones are rejected
+# with a clear message by `_canon._static_float`).
+_Scalar = float | np.floating | Array
 
 _STATIC = ("scale", "causal", "window", "softcap", "dropout_rate", "return_probs", "backend")
 
@@ -87,18 +90,18 @@ def attention(
     k: Float[_Arr, "*batch kv_seq kv_heads qk_dim"],
     v: Float[_Arr, "*batch kv_seq kv_heads v_dim"],
     *,
-    scale: float | None = None,
+    scale: _Scalar | None = None,
     bias: Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"] | None = None,
     mask: Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"] | None = None,
-    causal: bool | str = False,
-    window: tuple[int | None, int | None] | None = None,
+    causal: bool | str | None = False,
+    window: tuple[int | None, int | None] | list | None = None,
     q_seqlens: Int[_Arr, "*batch"] | None = None,
     kv_seqlens: Int[_Arr, "*batch"] | None = None,
     q_segment_ids: Int[_Arr, "*batch q_seq"] | None = None,
     kv_segment_ids: Int[_Arr, "*batch kv_seq"] | None = None,
-    softcap: float | None = None,
+    softcap: _Scalar | None = None,
     sink: Float[_Arr, "q_heads"] | None = None,
-    dropout_rate: float = 0.0,
+    dropout_rate: _Scalar = 0.0,
     key: PRNGKeyArray | None = None,
     return_probs: bool = False,
     backend: str = "auto",
@@ -152,6 +155,8 @@ def attention(
     anything is traced.
     """
     statics = _statics(scale, causal, window, softcap, dropout_rate, return_probs, backend)
+    if key is not None:
+        check_key(key)
     return _attention_jit(
         q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink, key,
         **statics,

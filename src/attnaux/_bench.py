@@ -251,6 +251,15 @@ def _reset_peak_rss() -> bool:
     return True
 
 
+def _available_bytes() -> int | None:
+    """`MemAvailable` of the machine (Linux `/proc/meminfo`), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+    except (OSError, AttributeError):
+        return None
+
+
 def _hwm_of(pid: int) -> int:
     """Another process's RSS high-water mark (`VmHWM`), or 0 when it cannot be read."""
     try:
@@ -274,6 +283,11 @@ def measure_memory(candidate: str, pass_: str, shape: Shape) -> None:
     baseline = _rss_bytes()
     print(json.dumps(dict(baseline=baseline, temp=temp, output=output, hwm_reset=reset)),
           flush=True)
+    needed, available = (temp or 0) + (output or 0), _available_bytes()
+    if available is not None and needed > available:  # spare the machine an out-of-memory kill
+        print(json.dumps(dict(error=f"not run: XLA plans {_mib(needed)} MiB of buffers and only "
+                                    f"{_mib(available)} MiB of memory are available")))
+        return
     for _ in range(2):  # a first call and a repeated one: buffers an allocator keeps still count
         result = jax.block_until_ready(compiled(*args))
         del result
@@ -311,6 +325,8 @@ def run_memory_child(candidate: str, pass_: str, shape: Shape, timeout: float = 
             result.update(json.loads(line))
     code = child.returncode
     if code == 0 and "peak_increase" in result:
+        return result
+    if "error" in result:  # the child said why it did not measure
         return result
     if timed_out:
         result["error"] = f"timed out after {timeout:.0f} s"

@@ -175,19 +175,27 @@ def _broadcast_dims(
     return x.reshape((math.prod(batch), *rest))
 
 
-def rng_state_from_key(key: Any) -> jax.Array:
-    """Derives the `uint32[4]` dropout state (seed, offset) from a JAX PRNG key."""
+def check_key(key: Any) -> None:
+    """Raises unless `key` is one JAX PRNG key (typed, or a legacy `uint32[2]`)."""
     if _is_traced(key) or isinstance(key, jax.Array):
         is_typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
         if (is_typed and key.shape == ()) or (
             not is_typed and key.dtype == jnp.uint32 and key.shape == (2,)
         ):
-            return jax.random.bits(key, (4,), jnp.uint32)
+            return
+        what = f"an array of shape {_fmt_shape(key)} and dtype {key.dtype}"
+    else:
+        what = f"an object of type {type(key).__name__}"
     raise TypeError(
         "`key` must be a single JAX PRNG key (from `jax.random.key(seed)`, or a legacy "
-        f"`jax.random.PRNGKey(seed)`); got {type(key).__name__} with shape {_fmt_shape(key)} "
-        f"and dtype {getattr(key, 'dtype', None)}."
+        f"`jax.random.PRNGKey(seed)`); got {what}."
     )
+
+
+def rng_state_from_key(key: Any) -> jax.Array:
+    """Derives the `uint32[4]` dropout state (seed, offset) from a JAX PRNG key."""
+    check_key(key)
+    return jax.random.bits(key, (4,), jnp.uint32)
 
 
 def canonicalize(

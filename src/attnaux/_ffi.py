@@ -4,13 +4,18 @@ import warnings
 
 import jax
 
-try:
-    from . import _ext
-except ImportError as error:  # a source checkout that was never built
+import importlib.util
+
+IMPORT_ERROR: str | None = None
+if importlib.util.find_spec(f"{__package__}._ext") is None:  # a source checkout, never built
     _ext = None
-    IMPORT_ERROR: str | None = f"{type(error).__name__}: {error}"
+    IMPORT_ERROR = "attnaux._ext is not built (run `pip install .` from the source checkout)"
 else:
-    IMPORT_ERROR = None
+    try:
+        from . import _ext
+    except ImportError as error:  # built, but cannot load (e.g. for another CPU or Python)
+        _ext = None
+        IMPORT_ERROR = f"attnaux._ext failed to load: {type(error).__name__}: {error}"
 
 REGISTERED: dict[str, tuple[str, ...]] = {}
 
@@ -44,8 +49,8 @@ if _ext is not None:
         REGISTERED[_name] = ("cpu",)
 else:
     warnings.warn(
-        "attnaux's compiled extension could not be imported, so only the pure-JAX `reference` "
-        f"backend is available ({IMPORT_ERROR}). Reinstall with `pip install .` to build it.",
+        "attnaux's compiled kernels are unavailable, so only the pure-JAX `reference` backend "
+        f"runs: {IMPORT_ERROR}.",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -40,50 +40,64 @@ def _attrs(options: Options) -> dict:
     )
 
 
-def _members(values: jax.Array, pool: jax.Array, pool_valid: jax.Array) -> jax.Array:
-    """`bool[B, n]`: whether each of `values[b]` occurs among the valid entries of `pool[b]`."""
-
-    def one(values, pool, pool_valid):
-        big = jnp.iinfo(jnp.int32).max
-        ordered = jnp.sort(jnp.where(pool_valid, pool, big))
-        at = jnp.clip(jnp.searchsorted(ordered, values), 0, max(pool.shape[0] - 1, 0))
-        found = ordered[at] == values if pool.shape[0] else jnp.zeros(values.shape, bool)
-        return found & ((values != big) | jnp.any(pool_valid & (pool == big)))
-
-    return jax.vmap(one)(values, pool, pool_valid)
+_USAGE_BLOCK = 512  # key columns per step when finding the rows no visible pair uses
 
 
-def zero_hidden_rows(arrays: Canonical) -> Canonical:
-    """Zeroes the q rows and k/v rows that the mask or the segment ids hide from every partner.
+def _usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array]:
+    """Which q rows (`bool[B, Sq, Hq or 1]`) and k/v rows (`bool[B, Skv, Hkv or 1]`) take part
+    in at least one visible (query, key) pair; computed one block of keys at a time, so memory
+    stays linear in the sequence length."""
+    from ._reference import visibility
 
-    The kernels skip padding (rows past the sequence lengths) and select, never multiply, inside
-    a tile; but a key hidden only by a boolean mask (say a key-padding mask) still sits inside the
-    products `P @ V` and `dS @ K` with weight 0, and `0 * NaN` is NaN. Zeroing such rows first
-    keeps the convention that nothing stored in a masked-out position reaches any output or
-    gradient. Costs one pass over q, k and v, and only when a mask or segment ids are given.
-    """
-    if arrays.mask is None and arrays.q_segment_ids is None:
-        return arrays
     bsz, q_seq, q_heads, _ = arrays.q.shape
     kv_seq, kv_heads = arrays.k.shape[1:3]
     group = q_heads // kv_heads
-    q_rows = jnp.ones((bsz, q_seq, 1), bool)  # [B, Sq, Hq or 1]
-    kv_rows = jnp.ones((bsz, kv_seq, 1), bool)  # [B, Skv, Hkv or 1]
-    if arrays.mask is not None:  # conservative: any key / any query of the mask, per head
-        m = arrays.mask
-        q_rows = q_rows & jnp.broadcast_to(
-            m.any(axis=3).transpose(0, 2, 1), (m.shape[0], q_seq, m.shape[1]))
-        kv_any = m.any(axis=2)  # [Bm, Hm, Skvm]
-        if m.shape[1] == q_heads and group > 1:
-            kv_any = kv_any.reshape(m.shape[0], kv_heads, group, -1).any(axis=2)
-        kv_rows = kv_rows & jnp.broadcast_to(
-            kv_any.transpose(0, 2, 1), (m.shape[0], kv_seq, kv_any.shape[1]))
-    if arrays.q_segment_ids is not None:
-        q_valid = jnp.arange(q_seq) < jnp.clip(arrays.q_seqlens, 0, q_seq)[:, None]
-        kv_valid = jnp.arange(kv_seq) < jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None]
-        q_seg, kv_seg = arrays.q_segment_ids, arrays.kv_segment_ids
-        q_rows = q_rows & _members(q_seg, kv_seg, kv_valid)[..., None]
-        kv_rows = kv_rows & _members(kv_seg, q_seg, q_valid)[..., None]
+    mask, kv_seg = arrays.mask, arrays.kv_segment_ids
+    heads = 1 if mask is None else mask.shape[1]
+    block = max(1, min(_USAGE_BLOCK, kv_seq))
+    n_blocks = -(-kv_seq // block)
+    pad = n_blocks * block - kv_seq
+    mask_full_keys = mask is not None and mask.shape[3] == kv_seq and kv_seq > 1
+    if pad and mask_full_keys:
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, pad)))
+    if pad and kv_seg is not None:
+        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)))
+
+    def step(rows_used, index):
+        start = index * block
+        sliced = arrays._replace(
+            mask=jax.lax.dynamic_slice_in_dim(mask, start, block, 3) if mask_full_keys else mask,
+            kv_segment_ids=None if kv_seg is None
+            else jax.lax.dynamic_slice_in_dim(kv_seg, start, block, 1),
+        )
+        keys = start + jnp.arange(block, dtype=jnp.int32)
+        visible = visibility(sliced, options, keys=keys, kv_seq=kv_seq)  # [B, heads, Sq, block]
+        cols = visible.any(axis=2)  # [B, heads, block]
+        if heads == q_heads and group > 1:
+            cols = cols.reshape(bsz, kv_heads, group, block).any(axis=2)
+        return rows_used | visible.any(axis=3), cols
+
+    rows_used, cols = jax.lax.scan(
+        step, jnp.zeros((bsz, heads, q_seq), bool), jnp.arange(n_blocks, dtype=jnp.int32)
+    )
+    cols = cols.transpose(1, 0, 3, 2).reshape(bsz, n_blocks * block, -1)[:, :kv_seq]
+    return rows_used.transpose(0, 2, 1), cols
+
+
+def zero_hidden_rows(arrays: Canonical, options: Options) -> Canonical:
+    """Zeroes the q rows and k/v rows that take part in no visible pair, when a mask or segment
+    ids are given.
+
+    The kernels never read rows past the sequence lengths, skip key ranges outside the causal or
+    window band, and select (never multiply) inside a tile; but a row hidden by a boolean mask or
+    by the segment ids (alone, or together with the band) still enters the products `P @ V`,
+    `dS @ K` and `dS^T @ Q` with weight 0, and `0 * NaN` is NaN. Zeroing those rows first keeps
+    the convention that nothing stored in a masked-out position reaches any output or gradient.
+    It costs one pass over the visibility pattern and over q, k and v, and only then.
+    """
+    if arrays.mask is None and arrays.q_segment_ids is None:
+        return arrays
+    q_rows, kv_rows = _usage(arrays, options)
     return arrays._replace(
         q=jnp.where(q_rows[..., None], arrays.q, 0),
         k=jnp.where(kv_rows[..., None], arrays.k, 0),
@@ -91,10 +105,10 @@ def zero_hidden_rows(arrays: Canonical) -> Canonical:
     )
 
 
-def kernel_args(arrays: Canonical) -> tuple[jax.Array, ...]:
+def kernel_args(arrays: Canonical, options: Options) -> tuple[jax.Array, ...]:
     """The canonical arrays as the kernel takes them: rows hidden by the mask or segment ids
     zeroed (see `zero_hidden_rows`), absent inputs as empty `(0,)` arrays."""
-    arrays = zero_hidden_rows(arrays)
+    arrays = zero_hidden_rows(arrays, options)
     return tuple(
         jnp.zeros((0,), dtype) if x is None else x for x, dtype in zip(arrays, _EMPTY_DTYPES)
     )
@@ -210,6 +224,24 @@ def _backward_call(options: Options):
     return backward
 
 
+def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over `axis` (kept as size 1) by pairwise halving: elementwise adds only, so the result
+    never depends on how XLA splits a reduction over threads (its own reductions do)."""
+    while x.shape[axis] > 1:
+        n = x.shape[axis]
+        half = n // 2
+        low = jax.lax.slice_in_dim(x, 0, half, axis=axis)
+        high = jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)
+        summed = low + high
+        if n % 2:
+            rest = jax.lax.slice_in_dim(x, 2 * half, n, axis=axis)
+            summed = jax.lax.concatenate([summed, rest], axis)
+        x = summed
+    if x.shape[axis] == 0:
+        x = jnp.zeros((*x.shape[:axis], 1, *x.shape[axis + 1:]), x.dtype)
+    return x
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(options: Options, *args: jax.Array):
     return _forward_call(options)(*args)
@@ -229,8 +261,10 @@ def _flash_bwd(options: Options, residuals, cotangents):
     bias, sink = args[3], args[9]
     dbias = None
     if _present(bias):
-        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and dbias_full.shape[a] != 1)
-        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).reshape(bias.shape)
+        dbias = dbias_full
+        for axis in range(4):
+            if bias.shape[axis] == 1 and dbias.shape[axis] != 1:
+                dbias = fixed_order_sum(dbias, axis)
     dsink = None
     if _present(sink):
         # d lse / d sink = exp(sink - lse) and d out / d sink = -exp(sink - lse) * out, so the
@@ -238,7 +272,8 @@ def _flash_bwd(options: Options, residuals, cotangents):
         row_term = jnp.einsum(
             "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
         ) - dlse
-        dsink = -jnp.sum(jnp.exp(sink[None, :, None] - lse) * row_term, axis=(0, 2))
+        terms = jnp.exp(sink[None, :, None] - lse) * row_term  # [B, Hq, Sq]
+        dsink = -fixed_order_sum(fixed_order_sum(terms, 2), 0).reshape(sink.shape)
     cts = [dq, dk, dv, dbias] + [None] * 5 + [dsink, None]
     return tuple(cts)
 
@@ -254,4 +289,4 @@ def flash_attention(
         from ._flash_cuda import flash_attention_cuda
 
         return flash_attention_cuda(arrays, options)
-    return _flash(options, *kernel_args(arrays))
+    return _flash(options, *kernel_args(arrays, options))

@@ -24,7 +24,7 @@ from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import SymbolicZero
 
 from ._canon import Canonical, Options
-from ._flash import _attrs, _batching_rule, _present, kernel_args
+from ._flash import _attrs, _batching_rule, _present, fixed_order_sum, kernel_args
 
 # Shape limits of `small_seq` (also checked by its kernel).
 SMALL_SEQ_MAX_KV_SEQ = 16
@@ -120,9 +120,11 @@ def _probs_bwd(kind: str, options: Options, return_probs: bool, residuals, cotan
     dq, dk, dv, dbias_full = _backward_call(kind, options)(*args, dout, probs, dlse, dprobs)
     bias, sink = args[3], args[9]
     dbias = None
-    if _present(bias):
-        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and dbias_full.shape[a] != 1)
-        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).reshape(bias.shape)
+    if _present(bias):  # summed down to the bias's broadcast shape, in a fixed order
+        dbias = dbias_full
+        for axis in range(4):
+            if bias.shape[axis] == 1 and dbias.shape[axis] != 1:
+                dbias = fixed_order_sum(dbias, axis)
     dsink = None
     if _present(sink):
         # lse, out and P depend on the sink only through lse: d lse / d sink = exp(sink - lse),
@@ -135,7 +137,8 @@ def _probs_bwd(kind: str, options: Options, return_probs: bool, residuals, cotan
             row_term = row_term + jnp.einsum(
                 "bhqk,bhqk->bhq", dprobs.astype(jnp.float32), probs.astype(jnp.float32)
             )
-        dsink = -jnp.sum(jnp.exp(sink[None, :, None] - lse) * row_term, axis=(0, 2))
+        terms = jnp.exp(sink[None, :, None] - lse) * row_term  # [B, Hq, Sq]
+        dsink = -fixed_order_sum(fixed_order_sum(terms, 2), 0).reshape(sink.shape)
     return (dq, dk, dv, dbias) + (None,) * 5 + (dsink, None)
 
 
@@ -155,5 +158,5 @@ def probs_attention(
     if kind not in TARGETS:
         raise ValueError(f"kind must be one of {sorted(TARGETS)}; got {kind!r}.")
     out, lse, row_max, probs = _probs_attention(kind, options, bool(return_probs),
-                                                *kernel_args(arrays))
+                                                *kernel_args(arrays, options))
     return out, lse, row_max, (probs if return_probs else None)

@@ -13,12 +13,22 @@ from ._canon import Canonical, Options
 from ._philox import dropout_keep_mask
 
 
-def visibility(arrays: Canonical, options: Options) -> jax.Array:
-    """`bool[B, Hq or 1, Sq, Skv]`: which key each query row may attend to."""
+def visibility(
+    arrays: Canonical, options: Options, keys: jax.Array | None = None, kv_seq: int | None = None
+) -> jax.Array:
+    """`bool[B, Hq or 1, Sq, n]`: which key each query row may attend to.
+
+    With `keys` (`int[n]` key positions) only those columns are computed; `arrays.mask` and
+    `arrays.kv_segment_ids` must then already be sliced to them (a broadcast key dimension of
+    the mask may stay 1), and `kv_seq` gives the full key length. This is the one definition of
+    the masking rules of `docs/kernel_abi.md` in Python.
+    """
     bsz, q_seq, _, _ = arrays.q.shape
-    kv_seq = arrays.k.shape[1]
+    kv_seq = arrays.k.shape[1] if kv_seq is None else kv_seq
+    if keys is None:
+        keys = jnp.arange(kv_seq, dtype=jnp.int32)
     i = jnp.arange(q_seq, dtype=jnp.int32)[None, None, :, None]
-    j = jnp.arange(kv_seq, dtype=jnp.int32)[None, None, None, :]
+    j = keys.astype(jnp.int32)[None, None, None, :]
     q_len = jnp.clip(arrays.q_seqlens, 0, q_seq)[:, None, None, None]
     kv_len = jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None, None, None]
     visible = (i < q_len) & (j < kv_len)
@@ -35,7 +45,7 @@ def visibility(arrays: Canonical, options: Options) -> jax.Array:
         visible &= (
             arrays.q_segment_ids[:, None, :, None] == arrays.kv_segment_ids[:, None, None, :]
         )
-    return jnp.broadcast_to(visible, (bsz, visible.shape[1], q_seq, kv_seq))
+    return jnp.broadcast_to(visible, (bsz, visible.shape[1], q_seq, j.shape[-1]))
 
 
 def reference_attention(
@@ -67,7 +77,7 @@ def reference_attention(
         logits = logits + jnp.where(visible, arrays.bias.astype(compute), 0)
     logits = jnp.where(visible, logits, 0)  # safe values where invisible; masked below
 
-    row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1, initial=-jnp.inf)
     any_visible = jnp.isfinite(row_max)
     shift = jnp.where(any_visible, row_max, 0)
     if arrays.sink is not None:
@@ -94,7 +104,7 @@ def reference_attention(
     del v_dim
 
     probs_dtype = compute if arrays.q.dtype in (jnp.float32, jnp.float64) else arrays.q.dtype
-    stats_dtype = compute
+    stats_dtype = jnp.float32  # the contract: statistics are float32 whatever the inputs
     return (
         out.astype(arrays.q.dtype),
         lse.astype(stats_dtype),
