@@ -158,18 +158,50 @@ inline int64_t CudnnVersion() {
   }
 }
 
+// CUDA runtime calls go through the frontend's dynamically loaded libcudart (nothing is linked).
+inline cudaError_t CudaSetDevice(int device) {
+  using Fn = cudaError_t (*)(int);
+  try {
+    auto fn = reinterpret_cast<Fn>(
+        fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, "cudaSetDevice"));
+    return fn ? fn(device) : cudaErrorInitializationError;
+  } catch (const std::exception&) {
+    return cudaErrorInitializationError;
+  }
+}
+
+inline cudaError_t CudaGetDevice(int* device) {
+  try {
+    return fe::detail::cuda_get_device(device);
+  } catch (const std::exception&) {
+    return cudaErrorInitializationError;
+  }
+}
+
+inline const char* CudaErrorString(cudaError_t e) {
+  try {
+    return fe::detail::cuda_get_error_string(e);
+  } catch (const std::exception&) {
+    return "unknown CUDA error";
+  }
+}
+
 // Sets the current CUDA device for the scope, restoring the previous one at exit.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (!EnsureCudnnLoaded().empty()) {
+      ok_ = false;
+      return;
+    }
+    if (CudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
     if (previous_ != device) {
-      ok_ = cudaSetDevice(device) == cudaSuccess;
+      ok_ = CudaSetDevice(device) == cudaSuccess;
       changed_ = ok_ && previous_ >= 0;
     }
   }
   ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
+    if (changed_) CudaSetDevice(previous_);
   }
   bool ok() const { return ok_; }
 
@@ -370,14 +402,15 @@ class GraphCache {
 
   // The plan of `c` (bias dtype chosen here: float32 when cuDNN takes it, else the io dtype).
   // Builds it on the first request, caches failures too. Returns nullptr and sets `error`.
-  std::shared_ptr<const Plan> Lookup(AttnConfig c, std::string* error) {
+  // With `fallback`, a bias graph that cuDNN rejects in float32 is built with the bias in the io
+  // dtype instead (and cached under both keys); the plan says which one it takes.
+  std::shared_ptr<const Plan> Lookup(AttnConfig c, std::string* error, bool fallback = false) {
     std::string dev_error;
     DeviceState* dev = GetDevice(c.device, &dev_error);
     if (dev == nullptr) {
       *error = dev_error;
       return nullptr;
     }
-    c.bias_f32 = true;
     const std::string key = c.Key();
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -402,7 +435,8 @@ class GraphCache {
     Entry entry;
     auto plan = std::make_shared<Plan>();
     std::string why = BuildGraph(c, dev->handle, plan.get());
-    if (!why.empty() && c.has_bias()) {
+    std::string low_key;
+    if (!why.empty() && c.has_bias() && c.bias_f32 && fallback) {
       // cuDNN's fused kernels may want the bias in the io dtype: the handler then converts it.
       AttnConfig low = c;
       low.bias_f32 = false;
@@ -411,6 +445,7 @@ class GraphCache {
       if (why_low.empty()) {
         plan = plan_low;
         why.clear();
+        low_key = low.Key();
       } else {
         why += " (and with the bias in the input dtype: " + why_low + ")";
       }
@@ -424,6 +459,7 @@ class GraphCache {
     std::lock_guard<std::mutex> lock(mutex_);
     ++builds_;
     entries_[key] = entry;
+    if (!low_key.empty()) entries_[low_key] = entry;
     return entry.plan;
   }
 

@@ -1,8 +1,10 @@
 // XLA FFI handlers of the `flash` primitive on NVIDIA GPUs: validate, look the cuDNN graph up in
-// the cache (cudnn_graphs.h), run it on XLA's stream with workspace from XLA's scratch allocator.
+// the cache (cudnn_graphs.h), run it on XLA's stream. cuDNN's workspace is an output buffer that
+// XLA allocates (its size comes from the cached plan at trace time): XLA's FFI scratch allocator
+// was seen failing even for 256 bytes under JAX 0.11.2 on an H200.
 //
-// The handlers are NOT declared compatible with command buffers (CUDA graphs): they take scratch
-// memory at run time and may build a cuDNN plan on first use, so XLA runs them as ordinary thunks.
+// The handlers are NOT declared compatible with command buffers (CUDA graphs): they may build a
+// cuDNN plan on first use and take a host mutex, so XLA runs them as ordinary thunks.
 #include "flash_cuda.h"
 
 #include <cuda_runtime_api.h>
@@ -61,13 +63,12 @@ ffi::Error ExpectShape(const std::string& target, const std::string& name, Dims 
 }
 
 ffi::Error CudaError(const std::string& target, const char* what, cudaError_t e) {
-  return ffi::Error::Internal(target + ": " + what + " failed: " + cudaGetErrorString(e));
+  return ffi::Error::Internal(target + ": " + what + " failed: " + CudaErrorString(e));
 }
 
 // Shapes shared by the forward and the backward; fills the static part of `c`.
 ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
-                        ffi::Buffer<ffi::S32> q_seqlens, ffi::Buffer<ffi::S32> kv_seqlens,
+                        ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens, ffi::Buffer<ffi::S32> kv_seqlens,
                         float scale, int32_t causal, int64_t window_left, int64_t window_right,
                         int32_t padding, AttnConfig* c) {
   const ffi::DataType t = q.element_type();
@@ -113,8 +114,12 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
                                  ", " + std::to_string(c->skv) + "] or (0,); got " + Shape(bd) +
                                  ".");
     }
+    if (bias.element_type() != ffi::DataType::F32 && bias.element_type() != t) {
+      return Invalid(target, "bias must be float32 or have q's dtype.");
+    }
     c->bias_b = bd[0];
     c->bias_h = bd[1];
+    c->bias_f32 = bias.element_type() == ffi::DataType::F32;
   }
   if (auto e = ExpectShape(target, "q_seqlens", q_seqlens.dimensions(), {c->b}); e.failure()) {
     return e;
@@ -140,45 +145,30 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// Float32 bias handed to a graph that takes it in the io dtype: convert into scratch memory.
-ffi::Error BiasPointer(const std::string& target, const Plan& plan, const AttnConfig& c,
-                       ffi::Buffer<ffi::F32> bias, ffi::ScratchAllocator& scratch,
-                       cudaStream_t stream, void** ptr) {
-  *ptr = bias.untyped_data();
-  if (plan.bias_f32) return ffi::Error::Success();
-  const int64_t n = c.bias_b * c.bias_h * c.sq * c.skv;
-  auto mem = scratch.Allocate(static_cast<size_t>(n) * 2, 256);
-  if (!mem.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, target + ": no scratch for the bias");
-  if (cudaError_t e = LaunchF32ToHalf(*mem, bias.typed_data(), n, c.dtype, stream);
-      e != cudaSuccess) {
-    return CudaError(target, "bias conversion", e);
-  }
-  *ptr = *mem;
-  return ffi::Error::Success();
-}
-
-ffi::Error Workspace(const std::string& target, const Plan& plan, ffi::ScratchAllocator& scratch,
+// cuDNN's workspace is an output buffer of the call, sized at trace time from the cached plan (XLA
+// allocates it like any other buffer).
+ffi::Error Workspace(const std::string& target, const Plan& plan, ffi::AnyBuffer buffer,
                      void** ptr) {
   *ptr = nullptr;
   if (plan.workspace <= 0) return ffi::Error::Success();
-  auto mem = scratch.Allocate(static_cast<size_t>(plan.workspace), 256);
-  if (!mem.has_value()) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, target + ": could not allocate " +
-                                         std::to_string(plan.workspace) +
-                                         " bytes of cuDNN workspace");
+  if (static_cast<int64_t>(buffer.size_bytes()) < plan.workspace) {
+    return Invalid(target, "the workspace buffer has " + std::to_string(buffer.size_bytes()) +
+                               " bytes; cuDNN's plan needs " + std::to_string(plan.workspace) +
+                               ".");
   }
-  *ptr = *mem;
+  *ptr = buffer.untyped_data();
   return ffi::Error::Success();
 }
 
-ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+ffi::Error FlashForwardImpl(cudaStream_t stream, int32_t device,
                             ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> q_seqlens,
+                            ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                             ffi::Buffer<ffi::S32> kv_seqlens, float scale, int32_t causal,
                             int64_t window_left, int64_t window_right, int32_t padding,
                             int32_t with_max, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                            ffi::Result<ffi::Buffer<ffi::F32>> row_max) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> row_max,
+                            ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   const std::string target = "attnaux_flash_fwd_cudnn";
   AttnConfig c;
   c.device = device;
@@ -209,50 +199,38 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   auto plan = GraphCache::Get().Lookup(c, &error);
   if (!plan) return ffi::Error::InvalidArgument(target + ": " + error);
 
-  void* bias_ptr = nullptr;
-  if (c.has_bias()) {
-    if (auto e = BiasPointer(target, *plan, c, bias, scratch, stream, &bias_ptr); e.failure()) {
-      return e;
-    }
-  }
   void* workspace = nullptr;
-  if (auto e = Workspace(target, *plan, scratch, &workspace); e.failure()) return e;
+  if (auto e = Workspace(target, *plan, *workspace_buffer, &workspace); e.failure()) return e;
 
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
       {kO, out->untyped_data()}};
   if (c.with_max) {
     pack[kMax] = row_max->untyped_data();
-    pack[kSumExp] = lse->untyped_data();  // Sum_exp lands in lse, turned into lse below
+    pack[kSumExp] = lse->untyped_data();  // Python forms lse = max + log(sum_exp)
   } else {
     pack[kStats] = lse->untyped_data();
   }
-  if (c.has_bias()) pack[kBias] = bias_ptr;
+  if (c.has_bias()) pack[kBias] = bias.untyped_data();
   if (c.padding) {
     pack[kSeqQ] = q_seqlens.untyped_data();
     pack[kSeqKv] = kv_seqlens.untyped_data();
   }
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
-  if (c.with_max) {
-    if (cudaError_t e = LaunchLseFromMaxSumExp(lse->typed_data(), row_max->typed_data(),
-                                               c.b * c.hq * c.sq, stream);
-        e != cudaSuccess) {
-      return CudaError(target, "lse kernel launch", e);
-    }
-  }
   return ffi::Error::Success();
 }
 
-ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+ffi::Error FlashBackwardImpl(cudaStream_t stream, int32_t device,
                              ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                             ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> q_seqlens,
+                             ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                              ffi::Buffer<ffi::S32> kv_seqlens, ffi::AnyBuffer out,
                              ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats, float scale,
                              int32_t causal, int64_t window_left, int64_t window_right,
                              int32_t padding, ffi::Result<ffi::AnyBuffer> dq,
                              ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                             ffi::Result<ffi::Buffer<ffi::F32>> dbias) {
+                             ffi::Result<ffi::AnyBuffer> dbias,
+                             ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   const std::string target = "attnaux_flash_bwd_cudnn";
   AttnConfig c;
   c.device = device;
@@ -305,39 +283,32 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   auto plan = GraphCache::Get().Lookup(c, &error);
   if (!plan) return ffi::Error::InvalidArgument(target + ": " + error);
 
-  void* bias_ptr = nullptr;
-  void* dbias_ptr = nullptr;
-  const int64_t bias_n = c.bias_b * c.bias_h * c.sq * c.skv;
   if (c.has_bias()) {
-    if (auto e = BiasPointer(target, *plan, c, bias, scratch, stream, &bias_ptr); e.failure()) {
-      return e;
-    }
-    dbias_ptr = dbias->untyped_data();
-    if (!plan->bias_f32) {
-      auto mem = scratch.Allocate(static_cast<size_t>(bias_n) * 2, 256);
-      if (!mem.has_value()) {
-        return ffi::Error(ffi::ErrorCode::kResourceExhausted, target + ": no scratch for dbias");
-      }
-      dbias_ptr = *mem;
+    if (dbias->element_type() != bias.element_type()) {
+      return Invalid(target, "dbias must have the bias's dtype.");
     }
     // With a padding mask cuDNN may skip padded rows/columns of dbias: start from zeros.
     if (c.padding) {
-      size_t bytes = static_cast<size_t>(bias_n) * (plan->bias_f32 ? 4 : 2);
-      if (cudaError_t e = cudaMemsetAsync(dbias_ptr, 0, bytes, stream); e != cudaSuccess) {
-        return CudaError(target, "cudaMemsetAsync(dbias)", e);
+      const size_t bytes = static_cast<size_t>(c.bias_b * c.bias_h * c.sq * c.skv) *
+                           (c.bias_f32 ? 4 : 2);
+      cudaError_t e = cudaErrorInitializationError;
+      try {
+        e = fe::detail::cuda_mem_set_async(dbias->untyped_data(), 0, bytes, stream);
+      } catch (const std::exception&) {
       }
+      if (e != cudaSuccess) return CudaError(target, "cudaMemsetAsync(dbias)", e);
     }
   }
   void* workspace = nullptr;
-  if (auto e = Workspace(target, *plan, scratch, &workspace); e.failure()) return e;
+  if (auto e = Workspace(target, *plan, *workspace_buffer, &workspace); e.failure()) return e;
 
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.untyped_data()},       {kK, k.untyped_data()},        {kV, v.untyped_data()},
       {kO, out.untyped_data()},     {kDO, dout.untyped_data()},    {kStats, stats.untyped_data()},
       {kDQ, dq->untyped_data()},    {kDK, dk->untyped_data()},     {kDV, dv->untyped_data()}};
   if (c.has_bias()) {
-    pack[kBias] = bias_ptr;
-    pack[kDBias] = dbias_ptr;
+    pack[kBias] = bias.untyped_data();
+    pack[kDBias] = dbias->untyped_data();
   }
   if (c.padding) {
     pack[kSeqQ] = q_seqlens.untyped_data();
@@ -345,12 +316,6 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   }
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
-  if (c.has_bias() && !plan->bias_f32) {
-    if (cudaError_t e = LaunchHalfToF32(dbias->typed_data(), dbias_ptr, bias_n, c.dtype, stream);
-        e != cudaSuccess) {
-      return CudaError(target, "dbias conversion", e);
-    }
-  }
   return ffi::Error::Success();
 }
 
@@ -367,7 +332,8 @@ int64_t LoadedCudnnVersion() { return CudnnVersion(); }
 std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
                          int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
                          bool padding, int causal, int64_t window_left, int64_t window_right,
-                         float scale, bool backward, bool with_max) {
+                         float scale, bool backward, bool with_max, bool try_f32_bias,
+                         bool* bias_f32, int64_t* workspace) {
   AttnConfig c;
   c.device = device;
   c.dtype = dtype;
@@ -390,7 +356,10 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
   std::string error;
   DeviceGuard guard(device);
   if (!guard.ok()) return "cudaSetDevice(" + std::to_string(device) + ") failed";
-  GraphCache::Get().Lookup(c, &error);
+  c.bias_f32 = try_f32_bias;
+  auto plan = GraphCache::Get().Lookup(c, &error, /*fallback=*/try_f32_bias);
+  *bias_f32 = plan ? plan->bias_f32 : try_f32_bias;
+  *workspace = plan ? plan->workspace : 0;
   return error;
 }
 
@@ -409,12 +378,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashFwdCudnn, attnaux_cuda::FlashForwardImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: all work is enqueued on it
-        .Ctx<ffi::ScratchAllocator>()              // cuDNN workspace and bias conversion
         .Ctx<ffi::DeviceOrdinal>()                 // which GPU (graphs/handles are per device)
         .Arg<ffi::AnyBuffer>()                     // q [B, Sq, Hq, D] bf16/f16
         .Arg<ffi::AnyBuffer>()                     // k [B, Skv, Hkv, D]
         .Arg<ffi::AnyBuffer>()                     // v [B, Skv, Hkv, Dv]
-        .Arg<ffi::Buffer<ffi::F32>>()              // bias [1|B, 1|Hq, Sq, Skv] or (0,)
+        .Arg<ffi::AnyBuffer>()                     // bias F32 or T [1|B, 1|Hq, Sq, Skv], or (0,)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens [B] (read iff padding)
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens [B] (read iff padding)
         .Attr<float>("scale")                      // multiplies q.k
@@ -424,19 +392,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("padding")                  // 1: mask rows/keys past the seqlens
         .Attr<int32_t>("with_max")                 // 1: Max + Sum_exp (lse and max), 0: lse only
         .Ret<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv]
-        .Ret<ffi::Buffer<ffi::F32>>()              // lse [B, Hq, Sq]
-        .Ret<ffi::Buffer<ffi::F32>>());            // max [B, Hq, Sq] (or (0,) when with_max=0)
+        .Ret<ffi::Buffer<ffi::F32>>()              // sum_exp [B, Hq, Sq] (with_max=1) or lse
+        .Ret<ffi::Buffer<ffi::F32>>()              // max [B, Hq, Sq] (or (0,) when with_max=0)
+        .Ret<ffi::AnyBuffer>());                   // cuDNN workspace (u8, sized at trace time)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashBwdCudnn, attnaux_cuda::FlashBackwardImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-        .Ctx<ffi::ScratchAllocator>()              // cuDNN workspace, bias conversions
         .Ctx<ffi::DeviceOrdinal>()                 // which GPU
         .Arg<ffi::AnyBuffer>()                     // q
         .Arg<ffi::AnyBuffer>()                     // k
         .Arg<ffi::AnyBuffer>()                     // v [B, Skv, Hkv, Dv'] (Dv' may carry extra columns)
-        .Arg<ffi::Buffer<ffi::F32>>()              // bias or (0,)
+        .Arg<ffi::AnyBuffer>()                     // bias (F32 or T) or (0,)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens
         .Arg<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv']
@@ -450,4 +418,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                     // dq [B, Sq, Hq, D]
         .Ret<ffi::AnyBuffer>()                     // dk [B, Skv, Hkv, D]
         .Ret<ffi::AnyBuffer>()                     // dv [B, Skv, Hkv, Dv']
-        .Ret<ffi::Buffer<ffi::F32>>());            // dbias like bias, or (0,)
+        .Ret<ffi::AnyBuffer>()                     // dbias like bias (same dtype), or (0,)
+        .Ret<ffi::AnyBuffer>());                   // cuDNN workspace (u8, sized at trace time)

@@ -17,22 +17,18 @@ extern "C" XLA_FFI_Error* AttnauxFlashBwdCudnn(XLA_FFI_CallFrame* call_frame);
 
 namespace attnaux_cuda {
 
-// Small kernels (flash_cuda_kernels.cu), launched on XLA's stream.
-// lse[i] = max[i] + log(lse[i]) where lse holds cuDNN's Sum_exp on entry.
-cudaError_t LaunchLseFromMaxSumExp(float* lse_inout, const float* max, int64_t n,
-                                   cudaStream_t stream);
-// dst = src converted, n elements; dtype 0 = bfloat16, 1 = float16.
-cudaError_t LaunchF32ToHalf(void* dst, const float* src, int64_t n, int dtype, cudaStream_t stream);
-cudaError_t LaunchHalfToF32(float* dst, const void* src, int64_t n, int dtype, cudaStream_t stream);
-
 // Graph cache and library access for module_cuda.cc (implemented in flash_cuda.cc, which alone
 // compiles the cuDNN frontend).
 void SetLibraryHints(const std::string& cudnn, const std::string& cudart);
 int64_t LoadedCudnnVersion();
+// "" when cuDNN serves the configuration (building and caching its graph), else the reason;
+// With `try_f32_bias` a bias is tried in float32 first, else in the io dtype; `bias_f32` tells which
+// the graph takes (and gives dbias in), `workspace` the bytes of cuDNN workspace it needs.
 std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
                          int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
                          bool padding, int causal, int64_t window_left, int64_t window_right,
-                         float scale, bool backward, bool with_max);
+                         float scale, bool backward, bool with_max, bool try_f32_bias,
+                         bool* bias_f32, int64_t* workspace);
 struct CacheStats {
   int64_t size, builds, hits;
 };

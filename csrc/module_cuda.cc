@@ -43,14 +43,23 @@ PYBIND11_MODULE(_ext_cuda, m) {
       "check_support",
       [](int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq, int64_t skv,
          int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h, bool padding, int causal,
-         int64_t window_left, int64_t window_right, float scale, bool backward, bool with_max) {
-        py::gil_scoped_release release;
-        return attnaux_cuda::CheckSupport(device, dtype, b, hq, hk, sq, skv, d, dv, bias_b, bias_h,
-                                          padding, causal, window_left, window_right, scale,
-                                          backward, with_max);
+         int64_t window_left, int64_t window_right, float scale, bool backward, bool with_max,
+         bool try_f32_bias) {
+        bool bias_f32 = true;
+        int64_t workspace = 0;
+        std::string error;
+        {
+          py::gil_scoped_release release;
+          error = attnaux_cuda::CheckSupport(device, dtype, b, hq, hk, sq, skv, d, dv, bias_b,
+                                             bias_h, padding, causal, window_left, window_right,
+                                             scale, backward, with_max, try_f32_bias, &bias_f32,
+                                             &workspace);
+        }
+        return py::make_tuple(error, bias_f32, workspace);
       },
-      "Builds (once) and caches the cuDNN graph of this configuration; returns '' when cuDNN "
-      "serves it, else cuDNN's reason.");
+      "Builds (once) and caches the cuDNN graph of this configuration; returns (reason, "
+      "bias_f32, workspace_bytes): reason '' when cuDNN serves it, whether it takes the bias in "
+      "float32 (else in the input dtype), and the workspace it needs.");
   m.def(
       "graph_cache_size", []() { return attnaux_cuda::GetCacheStats().size; },
       "Number of cuDNN graph configurations built (or rejected) so far.");

@@ -2,7 +2,8 @@
 // (before dropout), and a backward that reads P instead of recomputing it. Semantics:
 // docs/kernel_abi.md (section "The probability-saving primitives").
 //
-// Forward: one task per (batch, query head, block of kRows query rows). The scores of the block
+// Forward: K^T and V of each (batch, kv head) are packed to float32 once; then one task per
+// (batch, query head, block of kRows query rows). The scores of the block
 // against every key its rows may see are one small matrix product S = Q K^T (keys in the vector
 // lanes), then each row gets its softmax, P = exp(s - lse), is written out, and O = (P * drop) V.
 // Backward, two passes:
@@ -81,17 +82,21 @@ inline float FinishLogits(const HeadRows& hr, int64_t i, int64_t ja, int64_t nkp
 }
 
 // Row softmax from final logits (-inf = invisible): s becomes P = exp(s - lse) (0 where
-// invisible). Returns lse.
+// invisible), computed as exp(s - m) * exp(m - lse) with one exponential per element. Returns lse.
 inline float SoftmaxRow(const HeadRows& hr, float m, int64_t nkp, float* s) {
   const VecF m_use = Splat(m == -kInfP ? 0.0f : m);
   VecF acc = VecF{};
-  for (int64_t c = 0; c < nkp; c += kLanes) acc += Exp(Load(s + c) - m_use);
+  for (int64_t c = 0; c < nkp; c += kLanes) {
+    const VecF e = Exp(Load(s + c) - m_use);
+    Store(s + c, e);
+    acc += e;
+  }
   const float lse = RowLse(hr, m, HSum(acc));
   if (lse == -kInfP || m == -kInfP) {
     std::fill(s, s + nkp, 0.0f);
   } else {
-    const VecF l = Splat(lse);
-    for (int64_t c = 0; c < nkp; c += kLanes) Store(s + c, Exp(Load(s + c) - l));
+    const VecF factor = Splat(std::exp(m - lse));
+    for (int64_t c = 0; c < nkp; c += kLanes) Store(s + c, Load(s + c) * factor);
   }
   return lse;
 }
@@ -116,44 +121,55 @@ inline void WriteEmptyRow(const HeadRows& hr, const ProbsForwardOutputs& o, int6
   if (o.probs != nullptr) FillZero(p.elem, o.probs, static_cast<int64_t>(hr.RowBase(i)), p.kv_len);
 }
 
-// Packs K^T of keys [ja, ja + nkp) as [d][nkp] (zero beyond jhi, which is <= kl).
-inline void PackKt(const FlashParams& p, int64_t b, int64_t hkv, int64_t ja, int64_t jhi,
-                   int64_t nkp, float* row, float* kt) {
-  const int64_t d = p.head_dim;
-  for (int64_t c = 0; c < nkp; ++c) {
-    const int64_t j = ja + c;
-    if (j < jhi) {
-      ToFloat(p.elem, p.k, ((b * p.kv_len + j) * p.kv_heads + hkv) * d, d, row);
-      for (int64_t x = 0; x < d; ++x) kt[x * nkp + c] = row[x];
-    } else {
-      for (int64_t x = 0; x < d; ++x) kt[x * nkp + c] = 0.0f;
-    }
-  }
-}
-
-// Packs rows of K or V (`src`, last dim n, padded to np) for the keys [ja, ja + nkp) whose
-// column is used; zeros elsewhere.
-inline void PackRows(const FlashParams& p, const void* src, int64_t n, int64_t np, int64_t b,
-                     int64_t hkv, int64_t ja, int64_t nkp, const char* used, float* dst) {
-  for (int64_t c = 0; c < nkp; ++c) {
-    float* r = dst + c * np;
-    if (used[c]) {
-      ToFloat(p.elem, src, ((b * p.kv_len + ja + c) * p.kv_heads + hkv) * n, n, r);
-      std::fill(r + n, r + np, 0.0f);
-    } else {
-      std::fill(r, r + np, 0.0f);
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------
-inline void ProbsForwardBlock(const FlashParams& p, const ProbsForwardOutputs& o, int64_t b,
-                              int64_t h, int64_t ib) {
+
+// K^T and V of one (batch, kv head), float32, packed once and shared by every query block and
+// query head of the group: kt [D][Skvp], v_rows [Skvp][Dvp]; keys at or beyond kv_seqlens (and
+// the padding up to Skvp) are zero, so nothing stored there enters a product.
+struct KvLayout {
+  int64_t skvp, d, dvp;
+  explicit KvLayout(const FlashParams& p)
+      : skvp(RoundUp(p.kv_len, kLanes)), d(p.head_dim), dvp(RoundUp(p.v_dim, kLanes)) {}
+  int64_t size() const { return skvp * (d + dvp); }
+};
+
+inline void PackKvShared(const FlashParams& p, int64_t b, int64_t hkv, const KvLayout& l,
+                         float* base) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const int64_t kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
+  float* kt = base;
+  float* v_rows = base + l.skvp * d;
+  std::vector<float> row(std::max(d, dv) + 1);
+  for (int64_t j = 0; j < l.skvp; ++j) {
+    float* vr = v_rows + j * l.dvp;
+    if (j < kl) {
+      const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
+      ToFloat(p.elem, p.k, token * d, d, row.data());
+      for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = row[x];
+      ToFloat(p.elem, p.v, token * dv, dv, vr);
+      std::fill(vr + dv, vr + l.dvp, 0.0f);
+    } else {
+      for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = 0.0f;
+      std::fill(vr, vr + l.dvp, 0.0f);
+    }
+  }
+}
+
+// Rows of (b, hkv) packed per batch chunk, so that scratch stays bounded for huge batches. The
+// chunk depends only on shapes, never on threads.
+inline int64_t PackChunk(int64_t per_batch_floats, int64_t batch) {
+  constexpr int64_t kBudgetFloats = int64_t{1} << 26;  // 256 MiB
+  return std::clamp<int64_t>(kBudgetFloats / std::max<int64_t>(per_batch_floats, 1), 1,
+                             std::max<int64_t>(batch, 1));
+}
+
+inline void ProbsForwardBlock(const FlashParams& p, const ProbsForwardOutputs& o,
+                              const KvLayout& l, const float* kv, int64_t b, int64_t h,
+                              int64_t ib) {
   const HeadRows hr(p, b, h);
-  const int64_t d = p.head_dim, dv = p.v_dim, dvp = RoundUp(dv, kLanes);
-  const int64_t hkv = h / p.group();
+  const int64_t d = p.head_dim, dv = p.v_dim, dvp = l.dvp;
   const int64_t i0 = ib * kRows, nrows = std::min(kRows, p.q_len - i0);
   const int64_t valid = std::clamp<int64_t>(hr.ql - i0, 0, nrows);
   int64_t ja, jhi, nkp;
@@ -162,14 +178,13 @@ inline void ProbsForwardBlock(const FlashParams& p, const ProbsForwardOutputs& o
   for (int64_t r = computed; r < nrows; ++r) WriteEmptyRow(hr, o, i0 + r);
   if (computed == 0) return;
 
-  FloatBuffer qrows(valid * d), kt(d * nkp), s(valid * nkp), vrows(nkp * dvp), orows(valid * dvp),
-      tmp(std::max(d, dv) + kLanes), drop(nkp);
-  std::vector<char> used(nkp, 0);
+  const float* kt = kv;
+  const float* v_rows = kv + l.skvp * d;
+  FloatBuffer qrows(valid * d), s(valid * nkp), orows(valid * dvp), drop(nkp);
   for (int64_t r = 0; r < valid; ++r) {
     ToFloat(p.elem, p.q, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d, qrows.get() + r * d);
   }
-  PackKt(p, b, hkv, ja, jhi, nkp, tmp.get(), kt.get());
-  PGemm(valid, d, qrows.get(), d, 1, kt.get(), nkp, nkp / kLanes, s.get(), nkp, false);
+  PGemm(valid, d, qrows.get(), d, 1, kt + ja, l.skvp, nkp / kLanes, s.get(), nkp, false);
   for (int64_t r = 0; r < valid; ++r) {
     const int64_t i = i0 + r;
     float* sr = s.get() + r * nkp;
@@ -184,11 +199,9 @@ inline void ProbsForwardBlock(const FlashParams& p, const ProbsForwardOutputs& o
       hr.DropRow(i, lo, hi, drop.get());
       for (int64_t j = lo; j < hi; ++j) sr[j - ja] *= drop.get()[j - lo];
     }
-    for (int64_t c = 0; c < nkp; ++c) used[c] |= sr[c] != 0.0f;
   }
-  PackRows(p, p.v, dv, dvp, b, hkv, ja, nkp, used.data(),
-           vrows.get());
-  PGemm(valid, nkp, s.get(), nkp, 1, vrows.get(), dvp, dvp / kLanes, orows.get(), dvp, false);
+  PGemm(valid, nkp, s.get(), nkp, 1, v_rows + ja * dvp, dvp, dvp / kLanes, orows.get(), dvp,
+        false);
   for (int64_t r = 0; r < valid; ++r) {
     FromFloat(p.elem, o.out, ((b * p.q_len + i0 + r) * p.q_heads + h) * dv, dv,
               orows.get() + r * dvp);
@@ -198,10 +211,21 @@ inline void ProbsForwardBlock(const FlashParams& p, const ProbsForwardOutputs& o
 inline void ProbsForward(const FlashParams& p, const ProbsForwardOutputs& o,
                          ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_len == 0 || p.q_heads == 0) return;
+  const KvLayout l(p);
   const int64_t nqb = CeilDiv(p.q_len, kRows);
-  ParallelFor(pool, p.batch * p.q_heads * nqb, [&](int64_t t) {
-    ProbsForwardBlock(p, o, t / (p.q_heads * nqb), (t / nqb) % p.q_heads, t % nqb);
-  });
+  const int64_t chunk = PackChunk(p.kv_heads * l.size(), p.batch);
+  FloatBuffer packed(chunk * p.kv_heads * l.size());
+  for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
+    const int64_t nb = std::min(chunk, p.batch - b0);
+    ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
+      PackKvShared(p, b0 + t / p.kv_heads, t % p.kv_heads, l, packed.get() + t * l.size());
+    });
+    ParallelFor(pool, nb * p.q_heads * nqb, [&](int64_t t) {
+      const int64_t bl = t / (p.q_heads * nqb), h = (t / nqb) % p.q_heads;
+      const float* kv = packed.get() + (bl * p.kv_heads + h / p.group()) * l.size();
+      ProbsForwardBlock(p, o, l, kv, b0 + bl, h, t % nqb);
+    });
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,14 +241,57 @@ inline void ReadProbsRow(const HeadRows& hr, const void* src, int64_t i, int64_t
   std::fill(dst + n, dst + nkp, 0.0f);
 }
 
+// K rows, V^T and (with a softcap) K^T of one (batch, kv head) for the backward, float32,
+// packed once and shared by the query blocks and heads of the group: k_rows [Skvp][Dp],
+// vt [Dv][Skvp], kt [D][Skvp]; zero at or beyond kv_seqlens.
+struct KvBwdLayout {
+  int64_t skvp, d, dp, dv;
+  bool softcap;
+  explicit KvBwdLayout(const FlashParams& p)
+      : skvp(RoundUp(p.kv_len, kLanes)),
+        d(p.head_dim),
+        dp(RoundUp(p.head_dim, kLanes)),
+        dv(p.v_dim),
+        softcap(p.softcap > 0.0f) {}
+  int64_t size() const { return skvp * (dp + dv + (softcap ? d : 0)); }
+};
+
+inline void PackKvBwd(const FlashParams& p, int64_t b, int64_t hkv, const KvBwdLayout& l,
+                      float* base) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const int64_t kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
+  float* k_rows = base;
+  float* vt = base + l.skvp * l.dp;
+  float* kt = vt + l.skvp * dv;
+  std::vector<float> row(std::max(d, dv) + 1);
+  for (int64_t j = 0; j < l.skvp; ++j) {
+    float* kr = k_rows + j * l.dp;
+    if (j < kl) {
+      const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
+      ToFloat(p.elem, p.k, token * d, d, kr);
+      std::fill(kr + d, kr + l.dp, 0.0f);
+      if (l.softcap) {
+        for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = kr[x];
+      }
+      ToFloat(p.elem, p.v, token * dv, dv, row.data());
+      for (int64_t x = 0; x < dv; ++x) vt[x * l.skvp + j] = row[x];
+    } else {
+      std::fill(kr, kr + l.dp, 0.0f);
+      if (l.softcap) {
+        for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = 0.0f;
+      }
+      for (int64_t x = 0; x < dv; ++x) vt[x * l.skvp + j] = 0.0f;
+    }
+  }
+}
+
 // Pass A for (b, h, query block ib): dR rows into dr_all ([B, Hq, Sq, Skv] float32), dbias rows,
 // dq rows.
 inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& in,
-                              const BackwardOutputs& o, float* dr_all, int64_t b, int64_t h,
-                              int64_t ib) {
+                              const BackwardOutputs& o, const KvBwdLayout& l, const float* kv,
+                              float* dr_all, int64_t b, int64_t h, int64_t ib) {
   const HeadRows hr(p, b, h);
-  const int64_t d = p.head_dim, dv = p.v_dim, dp = RoundUp(d, kLanes), skv = p.kv_len;
-  const int64_t hkv = h / p.group();
+  const int64_t d = p.head_dim, dv = p.v_dim, dp = l.dp, skv = p.kv_len;
   const int64_t i0 = ib * kRows, nrows = std::min(kRows, p.q_len - i0);
   const int64_t valid = std::clamp<int64_t>(hr.ql - i0, 0, nrows);
   int64_t ja, jhi, nkp;
@@ -239,38 +306,29 @@ inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& i
   }
   if (computed == 0) return;
 
-  FloatBuffer pr(valid * nkp), dpr(valid * nkp), g(nkp), dorows(valid * dv), vt(dv * nkp),
-      krows(nkp * dp), dq(valid * dp), tmp(std::max(d, dv) + kLanes), drop(nkp);
-  FloatBuffer qrows(p.softcap > 0.0f ? valid * d : 0), kt(p.softcap > 0.0f ? d * nkp : 0),
-      st(p.softcap > 0.0f ? valid * nkp : 0);
-  std::vector<char> used(nkp, 0);
+  const float* k_rows = kv;
+  const float* vt = kv + l.skvp * dp;
+  const float* kt = vt + l.skvp * dv;
+  FloatBuffer pr(valid * nkp), dpr(valid * nkp), g(nkp), dorows(valid * dv), dq(valid * dp),
+      drop(nkp);
+  FloatBuffer qrows(l.softcap ? valid * d : 0), st(l.softcap ? valid * nkp : 0);
   for (int64_t r = 0; r < valid; ++r) {
     const int64_t i = i0 + r;
     ReadProbsRow(hr, in.probs, i, ja, nkp, pr.get() + r * nkp);
     ToFloat(p.elem, in.dout, ((b * p.q_len + i) * p.q_heads + h) * dv, dv,
             dorows.get() + r * dv);
-    for (int64_t c = 0; c < nkp; ++c) used[c] |= pr.get()[r * nkp + c] != 0.0f;
   }
-  // dP = dO V^T over the keys [ja, jhi); NaN in other keys' columns is selected away below.
-  for (int64_t c = 0; c < nkp; ++c) {
-    const int64_t j = ja + c;
-    if (j < jhi) {
-      ToFloat(p.elem, p.v, ((b * skv + j) * p.kv_heads + hkv) * dv, dv, tmp.get());
-      for (int64_t x = 0; x < dv; ++x) vt.get()[x * nkp + c] = tmp.get()[x];
-    } else {
-      for (int64_t x = 0; x < dv; ++x) vt.get()[x * nkp + c] = 0.0f;
-    }
-  }
-  PGemm(valid, dv, dorows.get(), dv, 1, vt.get(), nkp, nkp / kLanes, dpr.get(), nkp, false);
-  if (p.softcap > 0.0f) {
+  // dP = dO V^T over the keys [ja, ja + nkp) (zero beyond kv_seqlens).
+  PGemm(valid, dv, dorows.get(), dv, 1, vt + ja, l.skvp, nkp / kLanes, dpr.get(), nkp, false);
+  if (l.softcap) {
     for (int64_t r = 0; r < valid; ++r) {
       ToFloat(p.elem, p.q, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d,
               qrows.get() + r * d);
     }
-    PackKt(p, b, hkv, ja, jhi, nkp, tmp.get(), kt.get());
-    PGemm(valid, d, qrows.get(), d, 1, kt.get(), nkp, nkp / kLanes, st.get(), nkp, false);
+    PGemm(valid, d, qrows.get(), d, 1, kt + ja, l.skvp, nkp / kLanes, st.get(), nkp, false);
   }
   const VecF zero = VecF{};
+  const VecF scale = Splat(p.scale), inv_cap = Splat(l.softcap ? 1.0f / p.softcap : 0.0f);
   for (int64_t r = 0; r < valid; ++r) {
     const int64_t i = i0 + r;
     const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
@@ -281,9 +339,7 @@ inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& i
       hr.DropRow(i, ja, j1, drop.get());
       std::fill(drop.get() + (j1 - ja), drop.get() + nkp, 0.0f);
     }
-    if (in.dprobs != nullptr) {
-      ReadProbsRow(hr, in.dprobs, i, ja, nkp, g.get());
-    }
+    if (in.dprobs != nullptr) ReadProbsRow(hr, in.dprobs, i, ja, nkp, g.get());
     // dP_total = drop * dP + G, selected where P != 0; Dt = rowsum(P * dP_total) - dlse.
     VecF acc = VecF{};
     for (int64_t c = 0; c < nkp; c += kLanes) {
@@ -295,9 +351,7 @@ inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& i
       Store(dprow + c, t);
       acc += pv * t;
     }
-    const float dt = HSum(acc) - in.dlse[stat];
-    const VecF dtv = Splat(dt);
-    const VecF scale = Splat(p.scale), inv_cap = Splat(p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f);
+    const VecF dtv = Splat(HSum(acc) - in.dlse[stat]);
     for (int64_t c = 0; c < nkp; c += kLanes) {
       const VecF pv = Load(prow + c);
       Store(dprow + c, pv != zero ? pv * (Load(dprow + c) - dtv) : zero);
@@ -309,7 +363,7 @@ inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& i
       std::copy(dprow, dprow + n, o.dbias + row + ja);
       std::fill(o.dbias + row + ja + n, o.dbias + row + skv, 0.0f);
     }
-    if (p.softcap > 0.0f) {
+    if (l.softcap) {
       const float* srow = st.get() + r * nkp;
       for (int64_t c = 0; c < nkp; c += kLanes) {
         const VecF t = Tanh(Load(srow + c) * scale * inv_cap);
@@ -321,14 +375,12 @@ inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& i
     std::copy(dprow, dprow + n, dr_all + row + ja);
     std::fill(dr_all + row + ja + n, dr_all + row + skv, 0.0f);
   }
-  // dQ = dR K over the keys some row of the block sees.
-  PackRows(p, p.k, d, dp, b, hkv, ja, nkp, used.data(),
-           krows.get());
-  PGemm(valid, nkp, dpr.get(), nkp, 1, krows.get(), dp, dp / kLanes, dq.get(), dp, false);
+  // dQ = dR K.
+  PGemm(valid, nkp, dpr.get(), nkp, 1, k_rows + ja * dp, dp, dp / kLanes, dq.get(), dp, false);
   for (int64_t r = 0; r < valid; ++r) {
-    float* row = dq.get() + r * dp;
-    for (int64_t x = 0; x < d; ++x) row[x] *= p.scale;
-    FromFloat(p.elem, o.dq, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d, row);
+    float* qrow = dq.get() + r * dp;
+    for (int64_t x = 0; x < d; ++x) qrow[x] *= p.scale;
+    FromFloat(p.elem, o.dq, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d, qrow);
   }
 }
 
@@ -395,10 +447,20 @@ inline void ProbsBackward(const FlashParams& p, const ProbsBackwardInputs& in,
   const int64_t nqb = CeilDiv(p.q_len, kRows);
   const int64_t nkb = CeilDiv(p.kv_len, kKeys);
   FloatBuffer dr_all(p.batch * p.q_heads * p.q_len * p.kv_len);
-  ParallelFor(pool, p.batch * p.q_heads * nqb, [&](int64_t t) {
-    ProbsBackwardRows(p, in, o, dr_all.get(), t / (p.q_heads * nqb), (t / nqb) % p.q_heads,
-                      t % nqb);
-  });
+  const KvBwdLayout l(p);
+  const int64_t chunk = PackChunk(p.kv_heads * l.size(), p.batch);
+  FloatBuffer packed(chunk * p.kv_heads * l.size());
+  for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
+    const int64_t nb = std::min(chunk, p.batch - b0);
+    ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
+      PackKvBwd(p, b0 + t / p.kv_heads, t % p.kv_heads, l, packed.get() + t * l.size());
+    });
+    ParallelFor(pool, nb * p.q_heads * nqb, [&](int64_t t) {
+      const int64_t bl = t / (p.q_heads * nqb), h = (t / nqb) % p.q_heads;
+      const float* kv = packed.get() + (bl * p.kv_heads + h / p.group()) * l.size();
+      ProbsBackwardRows(p, in, o, l, kv, dr_all.get(), b0 + bl, h, t % nqb);
+    });
+  }
   ParallelFor(pool, p.batch * p.kv_heads * nkb, [&](int64_t t) {
     ProbsBackwardKeys(p, in, o, dr_all.get(), t / (p.kv_heads * nkb), (t / nkb) % p.kv_heads,
                       t % nkb);

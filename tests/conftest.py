@@ -37,7 +37,7 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # from the saved lse and builds Dt = rowsum(dout * out) from the *stored* output (rounded to the
 # input dtype), where the reference autodiffs through its float32 intermediates.
 #
-# Checked by `assert_close`:  |actual - expected| <= atol * max(1, max|expected|) + rtol * |expected|
+# Checked by `assert_close`: |actual - expected| <= atol * max(1, max|expected|) + rtol * |expected|
 # i.e. atol is absolute for O(1) arrays and relative to the largest entry for larger ones
 # (gradients of k and v sum over q_seq * group rows and grow with it), rtol is per element.
 #
@@ -105,7 +105,8 @@ def make_inputs(key_or_seed, batch, q_seq, kv_seq, q_heads, kv_heads, qk_dim, v_
         rng = np.random.default_rng(int(key_or_seed))
         return tuple(jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype) for s in shapes)
     keys = jax.random.split(key_or_seed, 3)
-    return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(keys, shapes))
+    return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype)
+                 for kk, s in zip(keys, shapes, strict=True))
 
 
 def _dims(spec, batch, q_heads, q_seq, kv_seq) -> tuple[int, ...]:

@@ -154,11 +154,13 @@ def attention(q, k, v, *, scale=None, bias=None, mask=None, causal=False, window
                     s = _logits_row(p, b, h, i, idx)
                     m = s.max() if idx.size else -np.inf
                     row_max[b, h, i] = m
-                    # lse = log(sum_j exp(s_j) + exp(sink)), evaluated stably around the largest term
+                    # lse = log(sum_j exp(s_j) + exp(sink)), stable around the largest term
                     top = m if sink_h is None else max(m, sink_h)
                     if top == -np.inf:
                         continue  # no visible key and no sink: lse = -inf, out = 0
-                    total = np.exp(s - top).sum() + (0.0 if sink_h is None else np.exp(sink_h - top))
+                    total = np.exp(s - top).sum()
+                    if sink_h is not None:
+                        total += np.exp(sink_h - top)
                     lse[b, h, i] = top + np.log(total)
                     if idx.size:
                         pr = np.exp(s - lse[b, h, i])
@@ -190,5 +192,6 @@ def lse_from_max(row_max, logits, sink=None):
         if sink is None:
             return np.where(finite, row_max + np.log(total), -np.inf)
         sink = _f64(sink)[:, None]
-        return np.where(finite, row_max + np.log(total + np.exp(sink - np.where(finite, row_max, 0))),
+        shifted_sink = np.exp(sink - np.where(finite, row_max, 0))
+        return np.where(finite, row_max + np.log(total + shifted_sink),
                         np.broadcast_to(sink, row_max.shape))

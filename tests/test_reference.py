@@ -15,6 +15,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 from conftest import (
     assert_close,
@@ -29,7 +30,6 @@ from conftest import (
 )
 
 import attnaux
-import oracle
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
@@ -226,7 +226,8 @@ def _finite_differences(params, options, w, u, h=1e-6):
             plus[name], minus[name] = x.copy(), x.copy()
             plus[name][idx] += h
             minus[name][idx] -= h
-            g[idx] = (_oracle_loss(plus, options, w, u) - _oracle_loss(minus, options, w, u)) / (2 * h)
+            diff = _oracle_loss(plus, options, w, u) - _oracle_loss(minus, options, w, u)
+            g[idx] = diff / (2 * h)
         grads[name] = g
     return grads
 
@@ -361,6 +362,45 @@ def test_nan_in_invisible_inputs_does_not_leak(backend):
         assert np.all(np.asarray(g2["k"])[b, kv_seqlens[b]:] == 0)
         assert np.all(np.asarray(g2["v"])[b, kv_seqlens[b]:] == 0)
     assert np.all(np.asarray(g2["bias"])[~visible] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_masked_rows_does_not_leak(backend):
+    """NaN in k/v rows that the mask or the segment ids hide from every query, and in q rows the
+    mask hides from every key, changes nothing (outputs and gradients equal those with zeros)."""
+    sq, skv, hq, hkv = 6, 8, 4, 2
+    q, k, v = make_inputs(7, (2,), sq, skv, hq, hkv, 8, 8)
+    mask = np.ones((2, 1, sq, skv), bool)
+    mask[0, :, :, 2] = False  # key 2 of batch 0: masked for every query and head
+    mask[1, :, 4, :] = False  # query row 4 of batch 1: masked from every key
+    q_seg = np.zeros((2, sq), np.int32)
+    kv_seg = np.zeros((2, skv), np.int32)
+    kv_seg[1, 6:] = 9  # keys 6, 7 of batch 1: a segment no query belongs to
+    hidden_k = [(0, 2), (1, 6), (1, 7)]
+    hidden_q = [(1, 4)]
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal((2, hq, sq, skv)), jnp.float32)
+    opts = dict(mask=jnp.asarray(mask), q_segment_ids=jnp.asarray(q_seg),
+                kv_segment_ids=jnp.asarray(kv_seg), bias=bias, causal="bottom_right")
+    w, u = loss_weights(7, q, v)
+    results = []
+    for value in (0.0, np.nan):
+        qq, kk, vv = (np.array(x) for x in (q, k, v))
+        for b, j in hidden_k:
+            kk[b, j], vv[b, j] = value, value
+        for b, i in hidden_q:
+            qq[b, i] = value
+        out, aux, grads = attention_and_grads(jnp.asarray(qq), jnp.asarray(kk), jnp.asarray(vv),
+                                              w, u, backend=backend, **opts)
+        _assert_all_finite((out, grads), f"{backend}, value {value}: ")
+        results.append((out, aux.lse, aux.max, grads))
+    (o1, l1, m1, g1), (o2, l2, m2, g2) = results
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    np.testing.assert_array_equal(np.asarray(m1), np.asarray(m2))
+    for name in g1:
+        np.testing.assert_array_equal(np.asarray(g1[name]), np.asarray(g2[name]), err_msg=name)
+    for b, j in hidden_k:
+        assert np.all(np.asarray(g2["k"])[b, j] == 0) and np.all(np.asarray(g2["v"])[b, j] == 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,8 +3,8 @@
 The handlers (`csrc/flash_cuda.cc`, module `attnaux._ext_cuda`) build one cuDNN frontend graph per
 static configuration and cache it. What cuDNN does not give directly is done here, exactly:
 
-- **lse and max**: cuDNN's forward emits `Max` and `Sum_exp`; the handler turns them into
-  `lse = max + log(sum_exp)` on the stream, so the forward returns out, lse and max.
+- **lse and max**: cuDNN's forward emits `Max` and `Sum_exp`; `lse = max + log(sum_exp)` is one
+  small XLA fusion after it, so the forward returns out, lse and max.
 - **Gradient through lse**: cuDNN's backward forms `D = rowsum(dO * O)` and has no input for an
   lse cotangent. `dlse` enters exactly by appending columns: `O' = [O, -dlse]`, `dO' = [dO, 1]`,
   `V' = [V, 0]` gives `rowsum(dO' * O') = D - dlse` while `dO' . V'^T = dO . V^T` (the column
@@ -107,19 +107,54 @@ def unavailable(problem: Problem) -> str | None:
     kv_seq, kv_heads = a.k.shape[1], a.k.shape[2]
     if 0 in (bsz, q_seq, kv_seq, q_heads):
         return None  # zero-sized: answered without cuDNN
-    ext = _ffi.ext_cuda()
     cfg = _config(o, q_seq, kv_seq, with_max=True)
     bias_b, bias_h = (0, 0) if a.bias is None else (a.bias.shape[0], a.bias.shape[1])
-    common = (
-        _device_ordinal(), 0 if dtype == jnp.dtype(jnp.bfloat16) else 1, bsz, q_heads, kv_heads,
-        q_seq, kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
-        cfg.window_right, float(np.float32(cfg.scale)),
+    why, _ = _check(cfg, dtype.name, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim,
+                    bias_b, bias_h)
+    return why or None
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(cfg: "Config", backward: bool, dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq,
+          qk_dim, v_dim, bias_b, bias_h, try_f32_bias: bool) -> tuple[str, bool, int]:
+    """Builds (once: the C++ cache keeps it) the cuDNN graph of one call and returns `(reason or
+    "", whether it takes the bias in float32, workspace bytes)`."""
+    return _ffi.ext_cuda().check_support(
+        _device_ordinal(), 0 if dtype == "bfloat16" else 1, bsz, q_heads, kv_heads, q_seq,
+        kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
+        cfg.window_right, float(np.float32(cfg.scale)), backward, cfg.with_max, try_f32_bias,
     )
-    for backward in (False, True):
-        why = ext.check_support(*common, backward, True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _check(cfg: "Config", dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim,
+           bias_b, bias_h) -> tuple[str, bool]:
+    """Whether cuDNN serves the forward and the backward of this static configuration (asked once;
+    the graphs stay cached, so the kernels find them): `(reason or "", bias in float32?)`. A bias
+    goes in float32 when both graphs take it so, else in the input dtype."""
+    shapes = (dtype, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim, bias_b, bias_h)
+    why, fwd_f32, _ = _plan(cfg, False, *shapes, True)
+    if why:
+        return why, True
+    why, bwd_f32, _ = _plan(cfg, True, *shapes, fwd_f32)
+    if why:
+        return why, True
+    if fwd_f32 and not bwd_f32:
+        why, _, _ = _plan(cfg, False, *shapes, False)
         if why:
-            return why
-    return None
+            return why, True
+    return "", fwd_f32 and bwd_f32
+
+
+def _workspace(cfg: "Config", backward: bool, q, k, v, bias) -> jax.ShapeDtypeStruct:
+    """The cuDNN workspace of this call as an extra (discarded) output buffer of the FFI call."""
+    bias_b, bias_h = (bias.shape[0], bias.shape[1]) if _present(bias) else (0, 0)
+    why, _, size = _plan(cfg, backward, jnp.dtype(q.dtype).name, q.shape[0], q.shape[2],
+                         k.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3], bias_b,
+                         bias_h, (not _present(bias)) or bias.dtype == jnp.float32)
+    if why:
+        raise ValueError(f"backend='flash' (cuDNN) cannot run this call: {why}")
+    return jax.ShapeDtypeStruct((max(int(size), 1),), jnp.uint8)
 
 
 def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool) -> Config:
@@ -200,11 +235,12 @@ def _forward_call(cfg: Config):
         row_max = stats if cfg.with_max else jax.ShapeDtypeStruct((0,), jnp.float32)
         call = jax.ffi.ffi_call(
             FWD_TARGET,
-            (jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype), stats, row_max),
+            (jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype), stats, row_max,
+             _workspace(cfg, False, q, k, v, bias)),
         )
         return tuple(
             call(q, k, v, bias, q_len, kv_len, with_max=np.int32(cfg.with_max), **_attrs(cfg))
-        )
+        )[:3]
 
     forward.def_vmap(_fold_rule(forward, None))
     return forward
@@ -214,7 +250,7 @@ def _forward_call(cfg: Config):
 def _backward_call(cfg: Config):
     @custom_vmap
     def backward(q, k, v, bias, q_len, kv_len, out, dout, stats):
-        dbias = jax.ShapeDtypeStruct(bias.shape if _present(bias) else (0,), jnp.float32)
+        dbias = jax.ShapeDtypeStruct(bias.shape if _present(bias) else (0,), bias.dtype)
         call = jax.ffi.ffi_call(
             BWD_TARGET,
             (
@@ -222,9 +258,10 @@ def _backward_call(cfg: Config):
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
                 dbias,
+                _workspace(cfg, True, q, k, v, bias),
             ),
         )
-        return tuple(call(q, k, v, bias, q_len, kv_len, out, dout, stats, **_attrs(cfg)))
+        return tuple(call(q, k, v, bias, q_len, kv_len, out, dout, stats, **_attrs(cfg)))[:4]
 
     backward.def_vmap(_fold_rule(backward, 3))
     return backward
@@ -257,9 +294,11 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
 def _forward(cfg: Config, q, k, v, bias, q_len, kv_len):
-    out, lse, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len)
-    if not cfg.with_max:
-        row_max = lse
+    out, stats, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len)
+    if cfg.with_max:  # cuDNN gave Max and Sum_exp
+        lse = row_max + jnp.log(stats)
+    else:  # cuDNN gave its Stats (lse) alone
+        lse = row_max = stats
     stats = lse
     if cfg.padding:
         rows = _visible_rows(cfg, q_len, kv_len, q.shape[1])
@@ -331,7 +370,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
             dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
             dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
             if _present(bias):
-                dbias = dbias + dbias1
+                dbias = (dbias.astype(jnp.float32) + dbias1.astype(jnp.float32)).astype(bias.dtype)
     if cfg.padding:
         q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
         kv_rows = (jnp.arange(kv_seq)[None, :] < kv_len[:, None])[:, :, None, None]
@@ -367,8 +406,14 @@ def flash_attention_cuda(
     if bias is None:
         bias = jnp.zeros((0,), jnp.float32)
     else:  # cuDNN broadcasts batch and heads; the sequence dims are materialised
+        _, bias_f32 = _check(cfg._replace(with_max=True), jnp.dtype(q.dtype).name, bsz, q_heads,
+                             k.shape[2], q_seq, kv_seq, q.shape[-1], v_dim, bias.shape[0],
+                             bias.shape[1])
+        # float32 when cuDNN takes it, else rounded to the input dtype (its gradient comes back
+        # in that dtype and flows to the float32 bias through the cast)
         bias = jnp.broadcast_to(
-            bias.astype(jnp.float32), (bias.shape[0], bias.shape[1], q_seq, kv_seq)
+            bias.astype(jnp.float32 if bias_f32 else q.dtype),
+            (bias.shape[0], bias.shape[1], q_seq, kv_seq),
         )
     q_len = jnp.clip(arrays.q_seqlens.astype(jnp.int32), 0, q_seq)
     kv_len = jnp.clip(arrays.kv_seqlens.astype(jnp.int32), 0, kv_seq)
