@@ -12,7 +12,8 @@ Side by side in one run, for each shape and causal mode, forward and forward+bac
 
 The forward+backward pass is `jax.vjp` of the output with a fixed cotangent (no lse cotangent).
 Timing: jitted, 2 warm-up calls, then the mean of 20 back-to-back calls (one block_until_ready at
-the end); three such rounds, the median reported. FLOPs as FlashAttention: 4*b*h*s*s*d forward,
+the end); five such rounds with the candidates taking turns, the median reported.
+FLOPs as FlashAttention: 4*b*h*s*s*d forward,
 halved for causal; forward+backward = 3.5x forward. Prints a markdown table (TFLOP/s, ratios).
 """
 
@@ -64,17 +65,25 @@ def cudnn(q, k, v, causal):
 CANDIDATES = {"attnaux": attnaux_full, "attnaux lse": attnaux_lse, "cudnn": cudnn}
 
 
-def timed(fn, args, calls=20, rounds=3):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    means = []
+def _mean_of_calls(fn, args, calls):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        r = fn(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t0) / calls
+
+
+def timed(fns, args, calls=20, rounds=5):
+    """Median over `rounds` of the mean time of `calls` back-to-back calls, after 2 warm-ups;
+    the candidates take turns within each round, so drift hits them alike."""
+    for fn in fns.values():
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    means = {name: [] for name in fns}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        means.append((time.perf_counter() - t0) / calls)
-    return statistics.median(means)
+        for name, fn in fns.items():
+            means[name].append(_mean_of_calls(fn, args, calls))
+    return {name: statistics.median(m) for name, m in means.items()}
 
 
 def run(shapes, causal_modes):
@@ -85,16 +94,17 @@ def run(shapes, causal_modes):
         q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
         for causal in causal_modes:
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            res = {}
+            fwd, fwd_bwd = {}, {}
             for name, f in CANDIDATES.items():
-                fwd = jax.jit(lambda q, k, v, f=f: f(q, k, v, causal))
-                fwd_bwd = jax.jit(
-                    lambda q, k, v, do, f=f: jax.vjp(lambda q, k, v: f(q, k, v, causal)[0], q, k,
-                                                     v)[1](do)
+                fwd[name] = jax.jit(lambda q, k, v, f=f, c=causal: f(q, k, v, c))
+                fwd_bwd[name] = jax.jit(
+                    lambda q, k, v, do, f=f, c=causal: jax.vjp(
+                        lambda q, k, v: f(q, k, v, c)[0], q, k, v
+                    )[1](do)
                 )
-                t_f = timed(fwd, (q, k, v))
-                t_fb = timed(fwd_bwd, (q, k, v, do))
-                res[name] = (flops / t_f / 1e12, 3.5 * flops / t_fb / 1e12)
+            t_f = timed(fwd, (q, k, v))
+            t_fb = timed(fwd_bwd, (q, k, v, do))
+            res = {n: (flops / t_f[n] / 1e12, 3.5 * flops / t_fb[n] / 1e12) for n in CANDIDATES}
             rows.append((shape, causal, res))
             a, al, c = res["attnaux"], res["attnaux lse"], res["cudnn"]
             print(f"{'x'.join(map(str, shape))} causal={causal}: attnaux {a[0]:.0f}/{a[1]:.0f}, "
@@ -115,7 +125,8 @@ def table(rows) -> str:
         fa_text = f"{fa[0]} / {fa[1]}" if fa else "-"
         # max cost: how much faster lse-only is than lse+max (positive = max costs time)
         lines.append(
-            f"| {'x'.join(map(str, shape))} | {'yes' if causal else 'no'} | {a[0]:.0f} / {a[1]:.0f} "
+            f"| {'x'.join(map(str, shape))} | {'yes' if causal else 'no'} "
+            f"| {a[0]:.0f} / {a[1]:.0f} "
             f"| {al[0]:.0f} / {al[1]:.0f} | {c[0]:.0f} / {c[1]:.0f} "
             f"| {a[0] / c[0]:.2f} / {a[1] / c[1]:.2f} "
             f"| {100 * (al[0] / a[0] - 1):+.1f}% / {100 * (al[1] / a[1] - 1):+.1f}% "

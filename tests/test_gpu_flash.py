@@ -150,7 +150,7 @@ def test_lse_only_gradient():
 
     got = jax.jit(jax.grad(lambda *a: zloss(*a, "flash"), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(lambda *a: zloss(*a, "reference"), argnums=(0, 1, 2)))(q, k, v)
-    for g, r, n in zip(got, want, "qkv"):
+    for g, r, n in zip(got, want, "qkv", strict=True):
         assert_close(g, r, tol(jnp.bfloat16, "grad"), f"d{n}")
 
 
@@ -233,7 +233,7 @@ def test_vmap_matches_reference():
         q, k, v, bias)
     want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, "reference"), argnums=(0, 1, 2, 3)))(
         q, k, v, bias)
-    for g, r, n in zip(got[1], want[1], ["q", "k", "v", "bias"]):
+    for g, r, n in zip(got[1], want[1], ["q", "k", "v", "bias"], strict=True):
         assert_close(g, r, tol(jnp.bfloat16, "grad"), f"vmap d{n}")
 
 

@@ -1,7 +1,10 @@
-"""Command line: `python -m attnaux [demo]` runs a small example, `python -m attnaux bench` the
-CPU benchmark. `python -m attnaux <command> --help` explains each command's options."""
+"""Command line: `python -m attnaux [demo]` runs the demonstration (one attention call and its
+aux, then a short training run of a small decoder with its attention health report), and
+`python -m attnaux bench` the CPU benchmark. `python -m attnaux <command> --help` explains each
+command's options."""
 
 import argparse
+import pathlib
 import sys
 import time
 
@@ -43,6 +46,38 @@ def demo(args: argparse.Namespace) -> int:
     print(f"rows with no visible key: {empty} of {aux.lse.size} (causal: every row sees key 0, "
           "so 0 is expected)")
     print(f"out finite: {bool(jnp.all(jnp.isfinite(out)))}")
+    if args.steps > 0:
+        return train_demo(args)
+    return 0
+
+
+def train_demo(args: argparse.Namespace) -> int:
+    """Trains the small decoder of `attnaux.nn`, saves every layer's aux, prints its health
+    report and writes the heatmap PNG."""
+    from attnaux import _demo
+    from attnaux import introspect as ai
+    from attnaux.introspect import _health
+
+    config = _demo.DemoConfig(steps=args.steps, log_every=max(args.steps // 2, 1),
+                              clip_threshold=args.clip_threshold, seed=args.seed)
+    print(f"\nTraining a {config.depth}-layer decoder (attnaux.nn, GQA {config.num_heads}:"
+          f"{config.kv_heads}, causal) on a copy task for {config.steps} steps, with a z-loss on "
+          f"aux.lse and QK-clip at max logit {config.clip_threshold}:")
+    model, _ = _demo.train(config)
+    collection = _demo.final_auxes(model, config)
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved = out_dir / "attnaux-demo-aux.npz"
+    ai.save(saved, collection)
+    print(f"\nSaved the aux of {len(collection)} layers to {saved}. Health per head:")
+    print(_health.format_table({name: ai.health(aux) for name, aux in collection.items()}))
+    png = out_dir / "attnaux-demo-heads.png"
+    try:
+        ai.plot(collection, png)
+    except ImportError as error:
+        print(f"(no PNG: {error})")
+    else:
+        print(f"Wrote {png}; `python -m attnaux.introspect report {saved}` reprints this report.")
     return 0
 
 
@@ -62,11 +97,15 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="{demo,bench}")
 
     d = commands.add_parser(
-        "demo", help="a small causal GQA attention, printing the output shape, the backend and "
-                     "the aux statistics (the default command).",
+        "demo", help="one attention call and its aux statistics, then a short training run with "
+                     "a health report (the default command).",
         description="Runs attnaux.attention(q, k, v, causal=True) on the default device with "
                     "random float32 inputs and prints the output shape, which backend ran "
-                    "(with attnaux.explain), and the aux statistics.")
+                    "(with attnaux.explain), and the aux statistics. Then trains a small "
+                    "decoder built from attnaux.nn layers for --steps steps (z-loss on lse, "
+                    "QK-clip from aux.max), saves every layer's aux, prints the per-head health "
+                    "report and writes a PNG heatmap (needs matplotlib: pip install "
+                    "'attnaux[plot]').")
     d.add_argument("--batch", type=_positive, default=2, help="batch size (default: 2).")
     d.add_argument("--seq", type=_positive, default=128, help="sequence length (default: 128).")
     d.add_argument("--q-heads", type=_positive, default=8, help="query heads (default: 8).")
@@ -74,6 +113,13 @@ def make_parser() -> argparse.ArgumentParser:
                    help="key/value heads; must divide --q-heads (default: 2).")
     d.add_argument("--head-dim", type=_positive, default=64, help="head dimension (default: 64).")
     d.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs (default: 0).")
+    d.add_argument("--steps", type=int, default=60,
+                   help="training steps of the decoder demonstration; 0 skips it (default: 60).")
+    d.add_argument("--clip-threshold", type=float, default=12.0,
+                   help="QK-clip: the largest logit allowed per head (default: 12).")
+    d.add_argument("--out-dir", default=".",
+                   help="where to write attnaux-demo-aux.npz and attnaux-demo-heads.png "
+                        "(default: the current directory).")
     d.set_defaults(func=demo)
 
     bench = commands.add_parser(
@@ -86,9 +132,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in ("demo", "bench", "-h", "--help"):
+        argv = ["demo", *argv]  # no command: the demo, with any options given
     args = parser.parse_args(argv)
-    if args.command is None:  # no command: the demo with its defaults
-        args = parser.parse_args(["demo"])
     return args.func(args)
 
 

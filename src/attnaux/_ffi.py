@@ -1,10 +1,9 @@
 """Loads the compiled extension and registers its XLA FFI handlers with JAX."""
 
+import importlib.util
 import warnings
 
 import jax
-
-import importlib.util
 
 IMPORT_ERROR: str | None = None
 if importlib.util.find_spec(f"{__package__}._ext") is None:  # a source checkout, never built

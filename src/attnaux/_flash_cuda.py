@@ -14,6 +14,9 @@ static configuration and cache it. What cuDNN does not give directly is done her
   are set to 0 / -inf here, the backward gets `lse = +inf` for them (so cuDNN's recomputed P is
   0, never NaN) and zero cotangents, and their gradients are selected to 0.
 
+The bias goes to cuDNN in float32 when it takes it, else (cuDNN 9.19) rounded to the input dtype;
+its gradient comes back in that dtype.
+
 Not served on GPU (`unavailable` says why; `auto` then uses `reference`): float32/float64 inputs,
 boolean `mask`, segment ids, softcap, sink, dropout, `return_probs`, head dims that are not
 multiples of 8 in [8, 256], bias together with bottom-right causal masking, and any configuration
@@ -35,6 +38,7 @@ FWD_TARGET = "attnaux_flash_fwd_cudnn"
 BWD_TARGET = "attnaux_flash_bwd_cudnn"
 MAX_HEAD_DIM = 256
 IMPLEMENTATION = "cuDNN fused attention (XLA FFI, gpu)"
+_NOT_BUILT = "the CUDA toolkit, cuDNN or cudnn-frontend headers were not found at build time"
 _EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
 
 
@@ -72,7 +76,7 @@ def unavailable(problem: Problem) -> str | None:
     if not _ffi.has_target(FWD_TARGET, "gpu"):
         return (
             "this build of attnaux has no CUDA handlers (attnaux._ext_cuda was not built: "
-            f"{_ffi.CUDA_IMPORT_ERROR or 'the CUDA toolkit, cuDNN or cudnn-frontend headers were not found at build time'})"
+            f"{_ffi.CUDA_IMPORT_ERROR or _NOT_BUILT})"
         )
     dtype = jnp.dtype(a.q.dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -195,7 +199,7 @@ def _fold_rule(fn, dbias_output: int | None):
         bias_present = _present(bias[0] if in_batched[_BIAS] else bias)
         bias_b = None
         folded = []
-        for i, (x, b) in enumerate(zip(args, in_batched)):
+        for i, (x, b) in enumerate(zip(args, in_batched, strict=True)):
             if i == _BIAS:
                 if not bias_present:
                     folded.append(x[0] if b else x)
@@ -226,7 +230,7 @@ def _fold_rule(fn, dbias_output: int | None):
     return rule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_call(cfg: Config):
     @custom_vmap
     def forward(q, k, v, bias, q_len, kv_len):
@@ -246,7 +250,7 @@ def _forward_call(cfg: Config):
     return forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backward_call(cfg: Config):
     @custom_vmap
     def backward(q, k, v, bias, q_len, kv_len, out, dout, stats):
