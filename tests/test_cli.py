@@ -25,8 +25,8 @@ def test_help_explains_every_command():
 def test_demo_trains_saves_and_reports(tmp_path):
     result = run("--steps", "4", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert "backend that ran: flash" in result.stdout or "backend that ran: reference" in (
-        result.stdout)
+    ran = result.stdout.split("backend that ran: ")[1].split()[0]
+    assert ran in ("flash", "probs", "small_seq", "reference")
     assert "layer0" in result.stdout and "nonfinite" in result.stdout  # the health table
     collection = ai.load(tmp_path / "attnaux-demo-aux.npz")
     assert sorted(collection) == ["layer0", "layer1"]
