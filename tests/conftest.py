@@ -262,13 +262,13 @@ def assert_close(actual, expected, tol: tuple[float, float], what: str = "") -> 
         err = np.where(fin, np.abs(a - e), 0.0)
     allowed = atol * scale + rtol * np.abs(np.where(fin, e, 0.0))
     if (err > allowed).any():
-        worst = tuple(np.unravel_index(np.argmax(err - allowed), err.shape))
+        worst = tuple(int(i) for i in np.unravel_index(np.argmax(err - allowed), err.shape))
         rel = err / np.maximum(np.abs(np.where(fin, e, 1.0)), 1e-30)
         raise AssertionError(
             f"{what}: {int((err > allowed).sum())} of {err.size} entries out of tolerance "
             f"(rtol={rtol}, atol={atol} x {scale:.3g}); max abs err {err.max():.3e}, "
-            f"max rel err {rel[fin].max():.3e}; worst at {worst}: actual {a[worst]!r} "
-            f"expected {e[worst]!r}"
+            f"max rel err {rel[fin].max():.3e}; worst at {worst}: actual {a[worst]:.8g} "
+            f"expected {e[worst]:.8g}"
         )
 
 

@@ -404,6 +404,34 @@ def test_nan_in_masked_rows_does_not_leak(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_row_shift_invariance_with_very_negative_logits(backend):
+    """Adding a constant c to one row of the bias shifts that row's lse and max by c and changes
+    nothing else: out and every gradient stay the same. With c = -120 every visible logit of the
+    row is below -88, where exp(-logit) overflows float32; the gradients must stay finite (no
+    inf * 0 from exponentials of invisible entries)."""
+    sq, skv, hq = 5, 7, 2
+    q, k, v = make_inputs(8, (2,), sq, skv, hq, 1, 8, 8)
+    bias0 = np.random.default_rng(8).standard_normal((2, hq, sq, skv)).astype(np.float32)
+    bias1 = bias0.copy()
+    bias1[0, 1, 0, :] -= 120.0  # causal row 0 sees key 0 only: its logit becomes ~ -120
+    bias1[1, 0, 3, :] -= 120.0
+    w, u = loss_weights(8, q, v)
+    res = [attention_and_grads(q, k, v, w, u, backend=backend, bias=jnp.asarray(b), causal=True)
+           for b in (bias0, bias1)]
+    (o0, a0, g0), (o1, a1, g1) = res
+    _assert_all_finite(g1, f"{backend} gradients with a row of logits near -120: ")
+    shift = np.zeros((2, hq, sq))
+    shift[0, 1, 0] = shift[1, 0, 3] = -120.0
+    tol_ = (1e-4, 1e-4)  # float32 logits near -120 carry an absolute rounding of ~8e-6
+    assert_close(o1, o0, tol_, "out")
+    assert_close(a1.lse, np.asarray(a0.lse) + shift, tol_, "lse")
+    assert_close(a1.max, np.asarray(a0.max) + shift, tol_, "max")
+    for name in g0:
+        # the lse term of the loss adds u * c to the loss, which has no gradient
+        assert_close(g1[name], g0[name], tol_, f"d{name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_max_has_no_gradient(backend):
     q, k, v = make_inputs(2, (2,), 5, 6, 2, 1, 8, 8)
 

@@ -68,9 +68,25 @@ else:
         _ext_cuda.set_library_hints(*_cuda_library_hints())
         for _name, _capsule in _ext_cuda.registrations().items():
             jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
-            REGISTERED[_name] = ("gpu", "cuda")
+            # Same-named targets (softmax, small_seq) exist for both platforms: keep both.
+            REGISTERED[_name] = (*REGISTERED.get(_name, ()), "gpu", "cuda")
     except Exception as error:  # a JAX without a CUDA platform, say
         CUDA_IMPORT_ERROR = f"registering the CUDA handlers failed: {type(error).__name__}: {error}"
+
+
+# attnaux's own CUDA kernels (fused softmax, small_seq): a module of their own, registered under
+# the CPU targets' names for platform "CUDA".
+KERNELS_CUDA_ERROR: str | None = None
+if _ext_cuda is not None and CUDA_IMPORT_ERROR is None:
+    try:
+        from . import _kernels_cuda
+
+        for _name, _capsule in _kernels_cuda.registrations().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+            # Same-named targets exist for both platforms: keep both.
+            REGISTERED[_name] = (*REGISTERED.get(_name, ()), "gpu", "cuda")
+    except Exception as error:
+        KERNELS_CUDA_ERROR = f"{type(error).__name__}: {error}"
 
 
 def ext_cuda():
