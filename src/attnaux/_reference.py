@@ -84,7 +84,9 @@ def reference_attention(
         sink = arrays.sink.astype(compute)[None, :, None]
         shift = jnp.where(any_visible, jnp.maximum(row_max, sink), sink)
     shift = jax.lax.stop_gradient(shift)
-    exp = jnp.where(visible, jnp.exp(logits - shift[..., None]), 0)
+    # Mask the exponent's argument, not its result: exp of a large invisible argument would be
+    # inf, and its zero cotangent times inf is NaN in the backward.
+    exp = jnp.exp(jnp.where(visible, logits - shift[..., None], -jnp.inf))
     total = jnp.sum(exp, axis=-1)
     if arrays.sink is not None:
         lse = shift + jnp.log(total + jnp.exp(sink - shift))
@@ -92,7 +94,7 @@ def reference_attention(
         safe_total = jnp.where(any_visible, total, 1)
         lse = jnp.where(any_visible, shift + jnp.log(safe_total), -jnp.inf)
     safe_lse = jnp.where(jnp.isfinite(lse), lse, 0)
-    probs = jnp.where(visible, jnp.exp(logits - safe_lse[..., None]), 0)
+    probs = jnp.exp(jnp.where(visible, logits - safe_lse[..., None], -jnp.inf))
 
     weights = probs
     if options.dropout_rate > 0:
