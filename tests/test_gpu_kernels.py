@@ -158,7 +158,7 @@ def test_small_seq_matches_reference_and_cpu(case, dtype):
     opts = make_options(1, (batch,), 1, kv_seq, hq, **options)
     if "bias" in opts:
         opts["bias"] = opts["bias"].astype(dtype).astype(jnp.float32)
-    explanation = attnaux.explain(q, k, v, **opts)
+    explanation = attnaux.explain(q, k, v, **opts, backend="small_seq")  # serves the call
     assert explanation.backend == "small_seq", str(explanation)
     w, u = loss_weights(3, q, v)
     out, aux, grads = attention_and_grads(q, k, v, w, u, backend="small_seq", **opts)
@@ -267,5 +267,9 @@ def test_dropout_gradients_match_cpu():
 def test_explain_on_gpu():
     q, k, v = make_inputs(0, (4,), 1, 16, 8, 2, 64, 64, jnp.bfloat16)
     e = attnaux.explain(q, k, v)
-    assert e.backend == "small_seq" and e.platform == "gpu", str(e)
+    # The CUDA small_seq kernel is correct but measured slower than the reference path, so auto
+    # leaves it to explicit requests on GPU (see _dispatch.choose).
+    assert e.backend != "small_seq" and e.platform == "gpu", str(e)
+    assert "not picked by auto" in e.reasons["small_seq"]
+    assert attnaux.explain(q, k, v, backend="small_seq").backend == "small_seq"
     assert attnaux.softmax_kernel_available((2, 3, 4, 5), jnp.bfloat16)
