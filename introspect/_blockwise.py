@@ -1,8 +1,9 @@
 """Shared machinery: options in canonical form, and logits recomputed one key block at a time.
 
 The masking is `attnaux._reference.visibility` (the rules of `docs/kernel_abi.md`), evaluated for
-one slice of key positions at a time so that nothing of size `q_seq x kv_seq` is ever formed. Every function that recomputes probabilities from `aux.lse` goes
-through `block_scores`, so there is one definition of the logits in this package.
+one slice of key positions at a time so that nothing of size `q_seq x kv_seq` is ever formed.
+Every function that recomputes probabilities from `aux.lse` goes through `block_scores`, so
+there is one definition of the logits in this package.
 """
 
 import math
@@ -16,7 +17,7 @@ from jaxtyping import Array
 
 from attnaux._aux import AttnAux
 from attnaux._canon import Canonical, Options, Problem, _static_float, canonicalize
-from attnaux._philox import _mulhilo, keep_threshold, philox4x32_10
+from attnaux._philox import dropout_keep_mask
 from attnaux._reference import visibility
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
@@ -155,23 +156,7 @@ def keep_block(
 ) -> jax.Array:
     """`bool[B, Hq, Sq, block]`: columns `j` of `attnaux._philox.dropout_keep_mask`."""
     bsz, heads, q_seq = shape
-    rows = bsz * heads * q_seq
-    if rows >= 2**32:
-        raise ValueError(
-            f"dropout over {rows} softmax rows (batch * heads * q_seq) exceeds 2**32 rows."
-        )
-    rng_state = jnp.asarray(rng_state, jnp.uint32)
-    row = jnp.arange(rows, dtype=jnp.uint32).reshape(bsz, heads, q_seq, 1)
-    col = j.astype(jnp.uint32).reshape(1, 1, 1, -1)
-    hi, lo = _mulhilo(row, np.uint32(kv_seq))
-    e_lo = lo + col
-    e_hi = hi + (e_lo < lo).astype(jnp.uint32)
-    g_lo = (e_lo >> 2) | (e_hi << 30)
-    g_hi = e_hi >> 2
-    words = philox4x32_10((g_lo, g_hi, rng_state[2], rng_state[3]), (rng_state[0], rng_state[1]))
-    lane = e_lo & 3
-    word = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])
-    return word >= keep_threshold(rate)
+    return dropout_keep_mask(rng_state, rate, bsz, heads, q_seq, kv_seq, columns=j)
 
 
 class Scores(NamedTuple):

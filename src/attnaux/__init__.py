@@ -8,12 +8,17 @@ aux.lse, aux.max  # float32 [*batch, q_heads, q_seq]
 """
 
 from . import _ffi as _ffi  # registers the compiled kernels with XLA on import
-from ._attention import attention as attention, explain as explain
+from ._attention import attention as attention
+from ._attention import explain as explain
 from ._aux import AttnAux as AttnAux
 from ._dispatch import Explanation as Explanation
 from ._softmax import (
     KernelAvailability as KernelAvailability,
+)
+from ._softmax import (
     softmax as softmax,
+)
+from ._softmax import (
     softmax_kernel_available as softmax_kernel_available,
 )
 

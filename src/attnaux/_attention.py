@@ -18,6 +18,9 @@ _typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
 # Static floats: Python or NumPy scalars, or a concrete 0-d JAX array (traced ones are rejected
 # with a clear message by `_canon._static_float`).
 _Scalar = float | np.floating | Array
+# bias and mask broadcast against [*batch, q_heads, q_seq, kv_seq]; a plain [q_seq, kv_seq] works.
+_Bias = Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"]
+_Mask = Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"]
 
 _STATIC = ("scale", "causal", "window", "softcap", "dropout_rate", "return_probs", "backend")
 
@@ -91,8 +94,8 @@ def attention(
     v: Float[_Arr, "*batch kv_seq kv_heads v_dim"],
     *,
     scale: _Scalar | None = None,
-    bias: Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"] | None = None,
-    mask: Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"] | None = None,
+    bias: _Bias | None = None,
+    mask: _Mask | None = None,
     causal: bool | str | None = False,
     window: tuple[int | None, int | None] | list | None = None,
     q_seqlens: Int[_Arr, "*batch"] | None = None,
@@ -100,7 +103,7 @@ def attention(
     q_segment_ids: Int[_Arr, "*batch q_seq"] | None = None,
     kv_segment_ids: Int[_Arr, "*batch kv_seq"] | None = None,
     softcap: _Scalar | None = None,
-    sink: Float[_Arr, "q_heads"] | None = None,
+    sink: Float[_Arr, " q_heads"] | None = None,
     dropout_rate: _Scalar = 0.0,
     key: PRNGKeyArray | None = None,
     return_probs: bool = False,

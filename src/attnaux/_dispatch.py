@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from . import _ffi
 from ._canon import Problem
 from ._flash import FWD_TARGET
-from ._probs import SMALL_SEQ_MAX_KV_SEQ, TARGETS as _PROBS_TARGETS
+from ._probs import SMALL_SEQ_MAX_KV_SEQ
+from ._probs import TARGETS as _PROBS_TARGETS
 
 BACKENDS = ("auto", "flash", "probs", "small_seq", "reference")
 
@@ -48,7 +49,8 @@ class Explanation:
 
 def check_backend(backend: object) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}.")
+        options = ", ".join(map(repr, BACKENDS))
+        raise ValueError(f"`backend` must be one of {options}; got {backend!r}.")
     return backend
 
 

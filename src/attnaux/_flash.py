@@ -175,7 +175,7 @@ def _batching_rule(fn):
     return rule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_call(options: Options):
     @custom_vmap
     def forward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng):
@@ -197,10 +197,11 @@ def _forward_call(options: Options):
     return forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backward_call(options: Options):
     @custom_vmap
-    def backward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, out, dout, lse, dlse):
+    def backward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, out, dout, lse,
+                 dlse):
         bsz, q_seq, q_heads, _ = q.shape
         kv_seq = k.shape[1]
         dbias_shape = (bsz, q_heads, q_seq, kv_seq) if _present(bias) else (0,)

@@ -47,9 +47,11 @@ def keep_threshold(rate: float) -> np.uint32:
 
 
 def dropout_keep_mask(
-    rng_state: jax.Array, rate: float, batch: int, heads: int, q_seq: int, kv_seq: int
+    rng_state: jax.Array, rate: float, batch: int, heads: int, q_seq: int, kv_seq: int,
+    columns: jax.Array | None = None,
 ) -> jax.Array:
-    """The `bool[batch, heads, q_seq, kv_seq]` keep-mask that the kernels use."""
+    """The `bool[batch, heads, q_seq, kv_seq]` keep-mask that the kernels use; with `columns`
+    (`int[n]` key positions) only those columns, `bool[batch, heads, q_seq, n]`."""
     rows = batch * heads * q_seq
     if rows >= 2**32:
         raise ValueError(
@@ -57,7 +59,9 @@ def dropout_keep_mask(
         )
     rng_state = jnp.asarray(rng_state, jnp.uint32)
     row = jnp.arange(rows, dtype=jnp.uint32).reshape(batch, heads, q_seq, 1)
-    col = jnp.arange(kv_seq, dtype=jnp.uint32).reshape(1, 1, 1, kv_seq)
+    if columns is None:
+        columns = jnp.arange(kv_seq, dtype=jnp.uint32)
+    col = columns.astype(jnp.uint32).reshape(1, 1, 1, -1)
     hi, lo = _mulhilo(row, np.uint32(kv_seq))  # e = row * kv_seq + col, as (hi, lo)
     e_lo = lo + col
     e_hi = hi + (e_lo < lo).astype(jnp.uint32)

@@ -1,4 +1,4 @@
-"""The probability-saving backends, `probs` and `small_seq`: compiled kernels behind `jax.custom_vjp`.
+"""The probability-saving backends `probs` and `small_seq`: compiled kernels behind custom_vjp.
 
 Both primitives share one ABI (`docs/kernel_abi.md`, "The probability-saving primitives"): the
 forward returns `out, lse, max` and the probabilities `P` (`[B, Hq, Sq, Skv]`, before dropout, in
@@ -35,7 +35,7 @@ TARGETS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_call(kind: str, options: Options, write_probs: bool):
     target = TARGETS[kind][0]
 
@@ -61,7 +61,7 @@ def _forward_call(kind: str, options: Options, write_probs: bool):
     return forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backward_call(kind: str, options: Options):
     target = TARGETS[kind][1]
 
