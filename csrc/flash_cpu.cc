@@ -9,6 +9,7 @@
 
 #include "attention_cpu.h"
 #include "attention_validate.h"
+#include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -16,30 +17,11 @@ namespace ffi = xla::ffi;
 namespace attnaux::cpu {
 namespace {
 
-using Dims = ffi::AnyBuffer::Dimensions;
+using attnaux::Absent;
+using attnaux::Dims;
+using attnaux::SameDims;
+using attnaux::Shape;
 
-std::string Shape(Dims dims) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-std::string Shape(const std::vector<int64_t>& dims) {
-  return Shape(Dims(dims.data(), dims.size()));
-}
-
-bool SameDims(Dims dims, const std::vector<int64_t>& expected) {
-  if (dims.size() != expected.size()) return false;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    if (dims[i] != expected[i]) return false;
-  }
-  return true;
-}
-
-// An optional input is absent when it has shape (0,).
-bool Absent(Dims dims) { return dims.size() == 1 && dims[0] == 0; }
 
 ffi::Error ShapeError(const std::string& name, const std::string& expected, Dims got) {
   return ffi::Error::InvalidArgument("attnaux_flash: " + name + " must have shape " + expected +

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cudnn_graphs.h"
+#include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 // The frontend's dynamic-loading mode reads libcudnn's handle from here (cudnn_graphs.h sets it).
@@ -27,29 +28,11 @@ namespace ffi = xla::ffi;
 namespace attnaux_cuda {
 namespace {
 
-using Dims = ffi::AnyBuffer::Dimensions;
+using attnaux::Absent;
+using attnaux::Dims;
+using attnaux::SameDims;
+using attnaux::Shape;
 
-std::string Shape(Dims dims) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-std::string Shape(const std::vector<int64_t>& dims) {
-  return Shape(Dims(dims.data(), dims.size()));
-}
-
-bool SameDims(Dims dims, const std::vector<int64_t>& expected) {
-  if (dims.size() != expected.size()) return false;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    if (dims[i] != expected[i]) return false;
-  }
-  return true;
-}
-
-bool Absent(Dims dims) { return dims.size() == 1 && dims[0] == 0; }
 
 ffi::Error Invalid(const std::string& target, const std::string& what) {
   return ffi::Error::InvalidArgument(target + ": " + what);
