@@ -175,54 +175,51 @@ def _batching_rule(fn):
     return rule
 
 
+def batched_ffi_call(target: str, options: Options, result_shapes):
+    """The FFI target `target` with attnaux's attributes, as a `custom_vmap` function of the kernel
+    arguments (the 11 canonical ones first) whose batching rule is `_batching_rule`.
+    `result_shapes(*args)` gives the `jax.ShapeDtypeStruct`s of its outputs."""
+
+    @custom_vmap
+    def call(*args):
+        return tuple(jax.ffi.ffi_call(target, result_shapes(*args))(*args, **_attrs(options)))
+
+    call.def_vmap(_batching_rule(call))
+    return call
+
+
+def gradient_shapes(q, k, v, bias, *_) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Outputs of every attention backward kernel: dq, dk, dv, and the full float32 dbias
+    `[B, Hq, Sq, Skv]` when a bias is given (else `(0,)`)."""
+    bsz, q_seq, q_heads, _ = q.shape
+    dbias_shape = (bsz, q_heads, q_seq, k.shape[1]) if _present(bias) else (0,)
+    return (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+    )
+
+
+def _forward_shapes(q, k, v, *_) -> tuple[jax.ShapeDtypeStruct, ...]:
+    bsz, q_seq, q_heads, _ = q.shape
+    return (
+        jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+        jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+    )
+
+
 @functools.cache
 def _forward_call(options: Options):
-    @custom_vmap
-    def forward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng):
-        bsz, q_seq, q_heads, _ = q.shape
-        v_dim = v.shape[-1]
-        call = jax.ffi.ffi_call(
-            FWD_TARGET,
-            (
-                jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v_dim), q.dtype),
-                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
-                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
-            ),
-        )
-        return tuple(
-            call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, **_attrs(options))
-        )
-
-    forward.def_vmap(_batching_rule(forward))
-    return forward
+    # Arguments: the 11 canonical ones.
+    return batched_ffi_call(FWD_TARGET, options, _forward_shapes)
 
 
 @functools.cache
 def _backward_call(options: Options):
-    @custom_vmap
-    def backward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, out, dout, lse,
-                 dlse):
-        bsz, q_seq, q_heads, _ = q.shape
-        kv_seq = k.shape[1]
-        dbias_shape = (bsz, q_heads, q_seq, kv_seq) if _present(bias) else (0,)
-        call = jax.ffi.ffi_call(
-            BWD_TARGET,
-            (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-                jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-            ),
-        )
-        return tuple(
-            call(
-                q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng,
-                out, dout, lse, dlse, **_attrs(options),
-            )
-        )
-
-    backward.def_vmap(_batching_rule(backward))
-    return backward
+    # Arguments: the 11 canonical ones, then out, dout, lse, dlse.
+    return batched_ffi_call(BWD_TARGET, options, gradient_shapes)
 
 
 def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:

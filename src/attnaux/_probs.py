@@ -20,11 +20,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import SymbolicZero
 
 from ._canon import Canonical, Options
-from ._flash import _attrs, _batching_rule, _present, fixed_order_sum, kernel_args
+from ._flash import (
+    _present,
+    batched_ffi_call,
+    fixed_order_sum,
+    gradient_shapes,
+    kernel_args,
+)
 
 # Shape limits of `small_seq` (also checked by its kernel).
 SMALL_SEQ_MAX_KV_SEQ = 16
@@ -39,56 +44,24 @@ TARGETS = {
 def _forward_call(kind: str, options: Options, write_probs: bool):
     target = TARGETS[kind][0]
 
-    @custom_vmap
-    def forward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng):
+    def shapes(q, k, v, *_):
         bsz, q_seq, q_heads, _ = q.shape
-        kv_seq, v_dim = k.shape[1], v.shape[-1]
-        probs_shape = (bsz, q_heads, q_seq, kv_seq) if write_probs else (0,)
-        call = jax.ffi.ffi_call(
-            target,
-            (
-                jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v_dim), q.dtype),
-                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
-                jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
-                jax.ShapeDtypeStruct(probs_shape, q.dtype),
-            ),
-        )
-        return tuple(
-            call(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, **_attrs(options))
+        probs_shape = (bsz, q_heads, q_seq, k.shape[1]) if write_probs else (0,)
+        return (
+            jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+            jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32),
+            jax.ShapeDtypeStruct(probs_shape, q.dtype),
         )
 
-    forward.def_vmap(_batching_rule(forward))
-    return forward
+    # Arguments: the 11 canonical ones.
+    return batched_ffi_call(target, options, shapes)
 
 
 @functools.cache
 def _backward_call(kind: str, options: Options):
-    target = TARGETS[kind][1]
-
-    @custom_vmap
-    def backward(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, dout, probs, dlse,
-                 dprobs):
-        bsz, q_seq, q_heads, _ = q.shape
-        kv_seq = k.shape[1]
-        dbias_shape = (bsz, q_heads, q_seq, kv_seq) if _present(bias) else (0,)
-        call = jax.ffi.ffi_call(
-            target,
-            (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-                jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-            ),
-        )
-        return tuple(
-            call(
-                q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, sink, rng, dout, probs, dlse,
-                dprobs, **_attrs(options),
-            )
-        )
-
-    backward.def_vmap(_batching_rule(backward))
-    return backward
+    # Arguments: the 11 canonical ones, then dout, probs, dlse, dprobs.
+    return batched_ffi_call(TARGETS[kind][1], options, gradient_shapes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
