@@ -1,22 +1,14 @@
 // pybind11 module attnaux._ext: hands the FFI handlers to attnaux._ffi for registration.
 #include <pybind11/pybind11.h>
 
+#include "ffi_capsule.h"
 #include "flash_cpu.h"
 #include "probs_registry.h"
 #include "softmax_registry.h"
 
 namespace py = pybind11;
 
-namespace {
-
-template <typename Fn>
-py::capsule HandlerCapsule(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler takes an XLA_FFI_CallFrame*");
-  return py::capsule(reinterpret_cast<void*>(fn));
-}
-
-}  // namespace
+using attnaux::HandlerCapsule;
 
 PYBIND11_MODULE(_ext, m) {
   m.doc() = "Compiled kernels of attnaux (XLA FFI handlers).";

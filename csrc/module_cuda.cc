@@ -8,20 +8,12 @@
 
 #include <string>
 
+#include "ffi_capsule.h"
 #include "flash_cuda.h"
 
 namespace py = pybind11;
 
-namespace {
-
-template <typename Fn>
-py::capsule HandlerCapsule(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler takes an XLA_FFI_CallFrame*");
-  return py::capsule(reinterpret_cast<void*>(fn));
-}
-
-}  // namespace
+using attnaux::HandlerCapsule;
 
 PYBIND11_MODULE(_ext_cuda, m) {
   m.doc() = "attnaux's GPU kernels: cuDNN fused attention behind XLA FFI handlers.";

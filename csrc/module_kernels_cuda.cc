@@ -6,6 +6,7 @@
 // loaded runtime in one shared object (the frontend crashed when both were linked together).
 #include <pybind11/pybind11.h>
 
+#include "ffi_capsule.h"
 #include "kernels_cuda.h"
 
 namespace py = pybind11;
@@ -16,10 +17,10 @@ PYBIND11_MODULE(_kernels_cuda, m) {
       "registrations",
       []() {
         py::dict handlers;
-        handlers["attnaux_softmax_fwd"] = py::capsule(reinterpret_cast<void*>(AttnauxSoftmaxFwdCuda));
-        handlers["attnaux_softmax_bwd"] = py::capsule(reinterpret_cast<void*>(AttnauxSoftmaxBwdCuda));
-        handlers["attnaux_small_seq_fwd"] = py::capsule(reinterpret_cast<void*>(AttnauxSmallSeqFwdCuda));
-        handlers["attnaux_small_seq_bwd"] = py::capsule(reinterpret_cast<void*>(AttnauxSmallSeqBwdCuda));
+        handlers["attnaux_softmax_fwd"] = attnaux::HandlerCapsule(AttnauxSoftmaxFwdCuda);
+        handlers["attnaux_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxSoftmaxBwdCuda);
+        handlers["attnaux_small_seq_fwd"] = attnaux::HandlerCapsule(AttnauxSmallSeqFwdCuda);
+        handlers["attnaux_small_seq_bwd"] = attnaux::HandlerCapsule(AttnauxSmallSeqBwdCuda);
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "

@@ -1,5 +1,6 @@
 // XLA FFI handlers of the `probs` primitive on CPU (docs/kernel_abi.md): validate, then call
 // probs_cpu.h.
+#include "ffi_capsule.h"
 #include "probs_ffi.h"
 #include "probs_registry.h"
 
@@ -20,12 +21,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 namespace attnaux {
 
 void AddProbsRegistrations(pybind11::dict& handlers) {
-  handlers["attnaux_probs_fwd"] = pybind11::capsule(reinterpret_cast<void*>(AttnauxProbsFwdCpu));
-  handlers["attnaux_probs_bwd"] = pybind11::capsule(reinterpret_cast<void*>(AttnauxProbsBwdCpu));
-  handlers["attnaux_small_seq_fwd"] =
-      pybind11::capsule(reinterpret_cast<void*>(AttnauxSmallSeqFwdCpu));
-  handlers["attnaux_small_seq_bwd"] =
-      pybind11::capsule(reinterpret_cast<void*>(AttnauxSmallSeqBwdCpu));
+  handlers["attnaux_probs_fwd"] = HandlerCapsule(AttnauxProbsFwdCpu);
+  handlers["attnaux_probs_bwd"] = HandlerCapsule(AttnauxProbsBwdCpu);
+  handlers["attnaux_small_seq_fwd"] = HandlerCapsule(AttnauxSmallSeqFwdCpu);
+  handlers["attnaux_small_seq_bwd"] = HandlerCapsule(AttnauxSmallSeqBwdCpu);
 }
 
 }  // namespace attnaux

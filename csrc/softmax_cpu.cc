@@ -3,6 +3,7 @@
 #include <string>
 #include <type_traits>
 
+#include "ffi_capsule.h"
 #include "softmax_cpu.h"
 #include "softmax_registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -195,20 +196,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxSoftmaxBwdCpu, SoftmaxBwdImpl,
 
 namespace attnaux {
 
-namespace {
-
-template <typename Fn>
-pybind11::capsule Capsule(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler takes an XLA_FFI_CallFrame*");
-  return pybind11::capsule(reinterpret_cast<void*>(fn));
-}
-
-}  // namespace
-
 void AddSoftmaxRegistrations(pybind11::dict& handlers) {
-  handlers["attnaux_softmax_fwd"] = Capsule(AttnauxSoftmaxFwdCpu);
-  handlers["attnaux_softmax_bwd"] = Capsule(AttnauxSoftmaxBwdCpu);
+  handlers["attnaux_softmax_fwd"] = HandlerCapsule(AttnauxSoftmaxFwdCpu);
+  handlers["attnaux_softmax_bwd"] = HandlerCapsule(AttnauxSoftmaxBwdCpu);
 }
 
 }  // namespace attnaux
