@@ -3,6 +3,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cpu_memory.h"
 #include "ffi_capsule.h"
 #include "softmax_cpu.h"
 #include "softmax_registry.h"
@@ -127,6 +128,7 @@ ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyB
       s.mask_n > 0 ? static_cast<const uint8_t*>(mask.untyped_data()) : nullptr;
   float* lse_data = static_cast<float*>(lse->untyped_data());
   float* max_data = static_cast<float*>(row_max->untyped_data());
+  attnaux::cpu::AdviseHugePages(probs->untyped_data(), probs->size_bytes());
   Dispatch(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
     attnaux::cpu::softmax::Forward<T>(&pool, s, static_cast<const T*>(logits.untyped_data()),
@@ -157,6 +159,7 @@ ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer probs, ffi::AnyBu
   if (dlogits->element_type() != probs.element_type() || !SameDims(dlogits->dimensions(), pd)) {
     return Invalid("output `dlogits` must have the dtype and shape " + Dims(pd) + " of `probs`.");
   }
+  attnaux::cpu::AdviseHugePages(dlogits->untyped_data(), dlogits->size_bytes());
   Dispatch(probs.element_type(), [&](auto tag) {
     using T = decltype(tag);
     attnaux::cpu::softmax::Backward<T>(&pool, pd[0] * pd[1], pd[2], scale,

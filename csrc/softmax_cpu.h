@@ -23,7 +23,7 @@
 #include <limits>
 #include <memory>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -112,11 +112,23 @@ inline void StoreVec(Half* p, VecF v) {
 #endif
 }
 
-// Lanes whose mask byte is nonzero.
+// Lanes whose mask byte is nonzero. GCC lowers the generic byte-to-int32 conversion to one
+// scalar extract per lane (it made masked rows three times slower), so x86 widens with one
+// instruction.
 inline VecI MaskLanes(const uint8_t* m) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
+  const __m512i widened = _mm512_cvtepu8_epi32(bytes);
+  return (VecI)widened != 0;
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+  const __m256i widened = _mm256_cvtepu8_epi32(bytes);
+  return (VecI)widened != 0;
+#else
   VecB b;
   std::memcpy(&b, m, sizeof(b));
   return __builtin_convertvector(b, VecI) != 0;
+#endif
 }
 
 inline float HorizontalMax(VecF v) {
