@@ -13,6 +13,10 @@
 Kernel tests skip cleanly when the compiled softmax kernel is not registered.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -290,6 +294,38 @@ def test_kernel_matches_reference_path(dtype, causal):
     assert_close(pk, pr, PROBS_TOL[jnp.dtype(dtype)], "probs")
     assert_close(ak.lse, ar.lse, LSE_TOL, "lse")
     assert_close(ak.max, ar.max, (0.0, 0.0), "max")
+
+
+_HUGE_PAGE_SCRIPT = """
+import hashlib, jax, jax.numpy as jnp
+from attnaux import softmax
+x = jax.random.normal(jax.random.key(0), (1, 2, 1024, 4104), jnp.float32)  # 33.6 MB
+mask = jax.random.bernoulli(jax.random.key(1), 0.9, (1, 1, 1024, 4104))
+f = jax.jit(jax.value_and_grad(lambda x: softmax(x, scale=0.3, mask=mask)[0][..., ::7].sum()))
+probs, aux = softmax(x, scale=0.3, mask=mask, backend="kernel")
+_, grad = f(x)
+print(hashlib.sha256(b"".join(bytes(memoryview(jax.device_get(a)))
+      for a in (probs, aux.lse, aux.max, grad))).hexdigest())
+"""
+
+
+@requires_kernel
+def test_huge_page_advice_does_not_change_results():
+    # Outputs of at least 32 MiB are advised MADV_HUGEPAGE (csrc/cpu_memory.h); the advice is a
+    # hint to the OS, so results must be bitwise those with it switched off.
+    digests = []
+    for setting in ("1", "0"):
+        env = dict(os.environ, ATTNAUX_CPU_HUGE_PAGES=setting)
+        run = subprocess.run(
+            [sys.executable, "-c", _HUGE_PAGE_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        digests.append(run.stdout.strip())
+    assert digests[0] == digests[1]
 
 
 def test_auto_picks_kernel_when_available():
