@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -51,6 +52,11 @@ enum Uid : int64_t {
   kDK,
   kDV,
   kDBias,
+  kSeed,      // dropout: cuDNN's Philox seed, int64 (rng_state words 0, 1)
+  kOffset,    // dropout: cuDNN's Philox offset, int64 (rng_state words 2, 3)
+  kRngDump,   // dropout: cuDNN's keep-mask as float32 0/1 [B, Hq, Sq, Skv] (replay only)
+  kQSegment,  // segment ids of the query rows, int32 [B, 1, Sq, 1]
+  kKvSegment, // segment ids of the key rows, int32 [B, 1, 1, Skv]
 };
 
 // The static configuration of one forward or backward call: everything a cuDNN graph depends on.
@@ -66,29 +72,47 @@ struct AttnConfig {
   bool with_max = true;   // forward: emit Max + Sum_exp (else Stats)
   bool backward = false;  // sdpa_backward graph (with dbias when there is a bias)
   bool bias_f32 = true;   // bias (and dbias) tensors in float32, else in the io dtype
+  float softcap = 0.0f;   // > 0: logits -> softcap * tanh(logits / softcap), before the bias
+  float dropout = 0.0f;   // probability of dropping an entry of P (cuDNN's Philox), 0 = none
+  bool rng_dump = false;  // forward: also write cuDNN's dropout keep-mask (mask replay)
+  bool segments = false;  // q/kv segment ids: a query sees only keys of its own segment
 
   bool has_bias() const { return bias_b > 0; }
 
+  // cuDNN accepts no built-in mask (causal band, padding) next to a score modifier, and no bias
+  // or dropout next to bottom-right causal masking. Those configurations get every mask from
+  // attnaux's own score modifier instead (ScoreModifier below), which costs the skipping of
+  // fully masked tiles but computes the same logits.
+  bool masks_in_score_mod() const {
+    return softcap > 0 || segments || (causal == 2 && (has_bias() || dropout > 0));
+  }
+
   std::string Key() const {
-    uint32_t scale_bits;
+    uint32_t scale_bits, softcap_bits, dropout_bits;
     std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
+    std::memcpy(&softcap_bits, &softcap, sizeof(softcap_bits));
+    std::memcpy(&dropout_bits, &dropout, sizeof(dropout_bits));
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "%s dev%d t%d b%lld hq%lld hk%lld sq%lld skv%lld d%lld dv%lld bias%lldx%lld "
-                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d",
+                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d seg%d",
                   backward ? "bwd" : "fwd", device, dtype, (long long)b, (long long)hq,
                   (long long)hk, (long long)sq, (long long)skv, (long long)d, (long long)dv,
                   (long long)bias_b, (long long)bias_h, (int)padding, causal,
                   (long long)window_left, (long long)window_right, scale_bits,
-                  backward ? 0 : (int)with_max, has_bias() ? (int)bias_f32 : 0);
+                  backward ? 0 : (int)with_max, has_bias() ? (int)bias_f32 : 0, softcap_bits,
+                  dropout_bits, (int)(rng_dump && !backward), (int)segments);
     return buf;
   }
 };
+
+struct ScoreModifier;
 
 struct Plan {
   std::shared_ptr<fe::graph::Graph> graph;
   int64_t workspace = 0;
   bool bias_f32 = true;
+  std::shared_ptr<ScoreModifier> modifier;  // attnaux's score modifier, when the graph has one
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -268,22 +292,75 @@ inline std::string FeMessage(fe::error_t e, const char* step) {
   return std::string(step) + ": " + e.get_message();
 }
 
-inline void ApplyMasks(const AttnConfig& c, fe::graph::SDPA_attributes& a) {
+// The band of the causal / window masks in cuDNN's terms: cuDNN keeps key j of query i iff
+// j <= i + off + right_bound and j > i + off - left_bound; attnaux keeps j >= i + off - left.
+inline std::optional<int64_t> RightBound(const AttnConfig& c) {
   int64_t right = c.causal ? 0 : c.window_right;  // causal caps the right side at the diagonal
-  if (right >= 0) a.set_diagonal_band_right_bound(static_cast<int>(right));
-  // attnaux: j >= i + off - left; cuDNN keeps j > i + off - left_bound.
-  if (c.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(c.window_left + 1));
-  a.set_diagonal_alignment(c.causal == 2 ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
-                                         : fe::DiagonalAlignment_t::TOP_LEFT);
+  if (right >= 0) return right;
+  return std::nullopt;
 }
 
-inline void ApplyMasks(const AttnConfig& c, fe::graph::SDPA_backward_attributes& a) {
-  int64_t right = c.causal ? 0 : c.window_right;
-  if (right >= 0) a.set_diagonal_band_right_bound(static_cast<int>(right));
-  if (c.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(c.window_left + 1));
-  a.set_diagonal_alignment(c.causal == 2 ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
-                                         : fe::DiagonalAlignment_t::TOP_LEFT);
+inline std::optional<int64_t> LeftBound(const AttnConfig& c) {
+  if (c.window_left >= 0) return c.window_left + 1;
+  return std::nullopt;
 }
+
+inline fe::DiagonalAlignment_t Alignment(const AttnConfig& c) {
+  return c.causal == 2 ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT;
+}
+
+template <typename Attributes>
+void ApplyMasks(const AttnConfig& c, Attributes& a) {
+  if (auto right = RightBound(c)) a.set_diagonal_band_right_bound(static_cast<int>(*right));
+  if (auto left = LeftBound(c)) a.set_diagonal_band_left_bound(static_cast<int>(*left));
+  a.set_diagonal_alignment(Alignment(c));
+}
+
+// attnaux's score modifier: softcap, then the segment-id, padding and causal / window masks, on
+// the scaled logits (the bias is added after it, as attnaux's convention wants). Used for the
+// configurations of `AttnConfig::masks_in_score_mod`; cuDNN runs it inside the fused kernel. The
+// Softcap helper keeps its pre-tanh tensor for the backward's bprop modifier, so one instance
+// serves the forward and the bprop lambda of one graph.
+struct ScoreModifier {
+  AttnConfig c;
+  std::shared_ptr<fe::graph::Tensor_attributes> softcap, seq_q, seq_kv, q_segment, kv_segment;
+  fe::graph::attn::score_modifiers::Softcap softcap_op;
+
+  std::shared_ptr<fe::graph::Tensor_attributes> Forward(
+      std::shared_ptr<fe::graph::Graph> graph, std::shared_ptr<fe::graph::Tensor_attributes> x) {
+    namespace g = fe::graph;
+    namespace mods = fe::graph::attn::score_modifiers;
+    if (c.softcap > 0) x = softcap_op.forward(graph, x, softcap);
+    if (c.segments) {
+      auto same = graph->pointwise(q_segment, kv_segment,
+                                   g::Pointwise_attributes()
+                                       .set_name("same_segment")
+                                       .set_mode(fe::PointwiseMode_t::CMP_EQ)
+                                       .set_compute_data_type(fe::DataType_t::BOOLEAN));
+      same->set_data_type(fe::DataType_t::BOOLEAN);
+      auto minus_inf = std::make_shared<g::Tensor_attributes>(mods::get_negative_inf_value());
+      x = graph->pointwise(x, minus_inf, same,
+                           g::Pointwise_attributes()
+                               .set_name("select_segment")
+                               .set_mode(fe::PointwiseMode_t::BINARY_SELECT));
+    }
+    if (c.padding) x = mods::padding_mask(graph, x, seq_kv, seq_q);
+    auto right = RightBound(c);
+    auto left = LeftBound(c);
+    if (right || left) {
+      x = mods::sliding_window_mask(graph, x, Alignment(c), left, right, c.sq, c.skv,
+                                    c.padding ? seq_q : nullptr, c.padding ? seq_kv : nullptr,
+                                    nullptr, nullptr);
+    }
+    return x;
+  }
+
+  std::shared_ptr<fe::graph::Tensor_attributes> Backward(
+      std::shared_ptr<fe::graph::Graph> graph, std::shared_ptr<fe::graph::Tensor_attributes> ds) {
+    // The masks select: their gradient passes dS where kept, and dS is already 0 elsewhere.
+    return c.softcap > 0 ? softcap_op.backward(graph, ds, softcap) : ds;
+  }
+};
 
 // Builds the graph of `c` on `handle` (the caller holds the device mutex). Returns "" or why not.
 inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* plan) {
@@ -308,7 +385,7 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
   const std::vector<int64_t> bias_dim = {c.bias_b, c.bias_h, c.sq, c.skv};
   const std::vector<int64_t> bias_stride = {c.bias_h * c.sq * c.skv, c.sq * c.skv, c.skv, 1};
 
-  std::shared_ptr<g::Tensor_attributes> bias, seq_q, seq_kv;
+  std::shared_ptr<g::Tensor_attributes> bias, seq_q, seq_kv, seed, offset;
   if (c.has_bias()) {
     bias = tensor("Bias", kBias, bias_dim, bias_stride);
     bias->set_data_type(bias_type);
@@ -319,13 +396,58 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
     seq_q->set_data_type(fe::DataType_t::INT32);
     seq_kv->set_data_type(fe::DataType_t::INT32);
   }
+  if (c.dropout > 0) {
+    // int64 scalars in device memory, read by the kernels (no host sync, CUDA-graph friendly).
+    seed = tensor("Seed", kSeed, {1, 1, 1, 1}, {1, 1, 1, 1});
+    offset = tensor("Offset", kOffset, {1, 1, 1, 1}, {1, 1, 1, 1});
+    seed->set_data_type(fe::DataType_t::INT64);
+    offset->set_data_type(fe::DataType_t::INT64);
+  }
+  std::shared_ptr<ScoreModifier> modifier;
+  if (c.masks_in_score_mod()) {
+    modifier = std::make_shared<ScoreModifier>();
+    modifier->c = c;
+    modifier->seq_q = seq_q;
+    modifier->seq_kv = seq_kv;
+    if (c.softcap > 0) modifier->softcap = std::make_shared<g::Tensor_attributes>(c.softcap);
+    if (c.segments) {
+      modifier->q_segment = tensor("q_segment", kQSegment, {c.b, 1, c.sq, 1}, {c.sq, c.sq, 1, 1});
+      modifier->kv_segment =
+          tensor("kv_segment", kKvSegment, {c.b, 1, 1, c.skv}, {c.skv, c.skv, c.skv, 1});
+      modifier->q_segment->set_data_type(fe::DataType_t::INT32);
+      modifier->kv_segment->set_data_type(fe::DataType_t::INT32);
+    }
+  }
+  auto forward_mod = [modifier](std::shared_ptr<g::Graph> sub,
+                                std::shared_ptr<g::Tensor_attributes> x) {
+    return modifier->Forward(std::move(sub), std::move(x));
+  };
+  auto backward_mod = [modifier](std::shared_ptr<g::Graph> sub,
+                                 std::shared_ptr<g::Tensor_attributes> x) {
+    return modifier->Backward(std::move(sub), std::move(x));
+  };
 
   try {
     if (!c.backward) {
       auto attrs = g::SDPA_attributes().set_name("attnaux_flash_fwd").set_attn_scale(c.scale);
-      ApplyMasks(c, attrs);
       if (bias) attrs.set_bias(bias);
-      if (c.padding) attrs.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+      if (modifier) {
+        attrs.set_score_mod(forward_mod);
+        // The lengths still bound cuDNN's matmuls; the masking itself is in the modifier.
+        if (c.padding) attrs.set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+      } else {
+        ApplyMasks(c, attrs);
+        if (c.padding) attrs.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+      }
+      if (c.dropout > 0) {
+        attrs.set_dropout(c.dropout, seed, offset);
+        if (c.rng_dump) {
+          auto dump = tensor("RngDump", kRngDump, {c.b, c.hq, c.sq, c.skv},
+                             {c.hq * c.sq * c.skv, c.sq * c.skv, c.skv, 1});
+          dump->set_data_type(fe::DataType_t::FLOAT);
+          attrs.set_rng_dump(dump);
+        }
+      }
       if (c.with_max) {
         attrs.set_generate_stats(false);
         auto mx = tensor("Max", kMax, row_dim, row_stride);
@@ -350,14 +472,21 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
       stats->set_data_type(fe::DataType_t::FLOAT);
       auto attrs =
           g::SDPA_backward_attributes().set_name("attnaux_flash_bwd").set_attn_scale(c.scale);
-      ApplyMasks(c, attrs);
       if (bias) {
         attrs.set_bias(bias);
         auto dbias = tensor("dBias", kDBias, bias_dim, bias_stride);
         dbias->set_data_type(bias_type);
         attrs.set_dbias(dbias);
       }
-      if (c.padding) attrs.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+      if (modifier) {
+        attrs.set_score_mod(forward_mod);
+        if (c.softcap > 0) attrs.set_score_mod_bprop(backward_mod);
+        if (c.padding) attrs.set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+      } else {
+        ApplyMasks(c, attrs);
+        if (c.padding) attrs.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+      }
+      if (c.dropout > 0) attrs.set_dropout(c.dropout, seed, offset);
       auto grads = graph->sdpa_backward(Q, K, V, O, dO, stats, std::move(attrs));
       grads[0]->set_output(true).set_uid(kDQ).set_dim({c.b, c.hq, c.sq, c.d}).set_stride(
           BshdStrides(c.hq, c.sq, c.d));
@@ -384,6 +513,7 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
     plan->graph = graph;
     plan->workspace = workspace;
     plan->bias_f32 = c.bias_f32;
+    plan->modifier = modifier;  // its tensors and lambdas live as long as the graph
   } catch (const std::exception& ex) {
     return std::string("cuDNN frontend: ") + ex.what();
   }

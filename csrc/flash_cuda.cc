@@ -1,7 +1,12 @@
 // XLA FFI handlers of the `flash` primitive on NVIDIA GPUs: validate, look the cuDNN graph up in
-// the cache (cudnn_graphs.h), run it on XLA's stream. cuDNN's workspace is an output buffer that
-// XLA allocates (its size comes from the cached plan at trace time): XLA's FFI scratch allocator
-// was seen failing even for 256 bytes under JAX 0.11.2 on an H200.
+// the cache (cudnn_graphs.h), run it on XLA's stream.
+//
+// cuDNN's workspace comes from XLA's FFI scratch allocator. XLA accepts alignments up to 16 bytes
+// there (a request for more is refused with "Unsupported alignment", which is why an earlier
+// version that asked for 256 saw every allocation fail); cuDNN wants 256-byte aligned workspace,
+// so the handler asks for 255 bytes more with alignment 16 and rounds the pointer up. A workspace
+// output buffer of sufficient size, when the Python layer passes one
+// (ATTNAUX_CUDNN_WORKSPACE=output), is used instead.
 //
 // The handlers are NOT declared compatible with command buffers (CUDA graphs): they may build a
 // cuDNN plan on first use and take a host mutex, so XLA runs them as ordinary thunks.
@@ -10,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -51,9 +57,11 @@ ffi::Error CudaError(const std::string& target, const char* what, cudaError_t e)
 
 // Shapes shared by the forward and the backward; fills the static part of `c`.
 ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens, ffi::Buffer<ffi::S32> kv_seqlens,
+                        ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
+                        ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::U32> rng_state,
                         float scale, int32_t causal, int64_t window_left, int64_t window_right,
-                        int32_t padding, AttnConfig* c) {
+                        int32_t padding, float softcap, float dropout_rate, AttnConfig* c) {
   const ffi::DataType t = q.element_type();
   if (t != ffi::DataType::BF16 && t != ffi::DataType::F16) {
     return Invalid(target, "q, k and v must be bfloat16 or float16 (cuDNN fused attention).");
@@ -120,47 +128,120 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
   if (!(scale == scale) || scale == INFINITY || scale == -INFINITY) {
     return Invalid(target, "scale must be finite.");
   }
+  if (!(softcap >= 0.0f) || softcap == INFINITY) {
+    return Invalid(target, "softcap must be finite and >= 0 (0 = off).");
+  }
+  if (!(dropout_rate >= 0.0f && dropout_rate < 1.0f)) {
+    return Invalid(target, "dropout_rate must be in [0, 1).");
+  }
+  const bool segments = !Absent(q_segment_ids.dimensions());
+  if (segments) {
+    if (auto e = ExpectShape(target, "q_segment_ids", q_segment_ids.dimensions(), {c->b, c->sq});
+        e.failure()) {
+      return e;
+    }
+    if (auto e = ExpectShape(target, "kv_segment_ids", kv_segment_ids.dimensions(),
+                             {c->b, c->skv});
+        e.failure()) {
+      return e;
+    }
+  } else if (!Absent(kv_segment_ids.dimensions())) {
+    return Invalid(target, "kv_segment_ids must be (0,) when q_segment_ids is.");
+  }
+  if (dropout_rate > 0.0f) {
+    if (auto e = ExpectShape(target, "rng_state", rng_state.dimensions(), {4}); e.failure()) {
+      return e;
+    }
+  }
   c->scale = scale;
   c->causal = causal;
   c->window_left = window_left;
   c->window_right = window_right;
   c->padding = padding != 0;
+  c->softcap = softcap;
+  c->dropout = dropout_rate;
+  c->segments = segments;
   return ffi::Error::Success();
 }
 
-// cuDNN's workspace is an output buffer of the call, sized at trace time from the cached plan (XLA
-// allocates it like any other buffer).
+// The variant-pack entries shared by the forward and the backward.
+void PackCommon(const AttnConfig& c, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
+                ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+                ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::U32> rng_state,
+                std::unordered_map<int64_t, void*>& pack) {
+  if (c.has_bias()) pack[kBias] = bias.untyped_data();
+  if (c.padding) {
+    pack[kSeqQ] = q_seqlens.untyped_data();
+    pack[kSeqKv] = kv_seqlens.untyped_data();
+  }
+  if (c.segments) {
+    pack[kQSegment] = q_segment_ids.untyped_data();
+    pack[kKvSegment] = kv_segment_ids.untyped_data();
+  }
+  if (c.dropout > 0) {
+    // rng_state = (seed_lo, seed_hi, offset_lo, offset_hi): little-endian, words 0-1 are the
+    // int64 seed and words 2-3 the int64 offset (8-byte aligned: XLA aligns buffers to >= 64).
+    auto* words = static_cast<uint32_t*>(rng_state.untyped_data());
+    pack[kSeed] = words;
+    pack[kOffset] = words + 2;
+  }
+}
+
+// cuDNN's workspace: the workspace output buffer when the Python layer sized one for the plan
+// (ATTNAUX_CUDNN_WORKSPACE=output), else XLA's scratch allocator (see the top of this file). The
+// scratch memory is released when the handler returns, which is stream-ordered: the next user of
+// that memory runs on the same stream after cuDNN's kernels.
 ffi::Error Workspace(const std::string& target, const Plan& plan, ffi::AnyBuffer buffer,
-                     void** ptr) {
+                     ffi::ScratchAllocator& scratch, void** ptr) {
+  constexpr size_t kAlignment = 256;  // what cuDNN's kernels assume of their workspace
   *ptr = nullptr;
   if (plan.workspace <= 0) return ffi::Error::Success();
-  if (static_cast<int64_t>(buffer.size_bytes()) < plan.workspace) {
-    return Invalid(target, "the workspace buffer has " + std::to_string(buffer.size_bytes()) +
-                               " bytes; cuDNN's plan needs " + std::to_string(plan.workspace) +
-                               ".");
+  if (static_cast<int64_t>(buffer.size_bytes()) >= plan.workspace) {
+    *ptr = buffer.untyped_data();
+    return ffi::Error::Success();
   }
-  *ptr = buffer.untyped_data();
+  const size_t bytes = static_cast<size_t>(plan.workspace) + kAlignment - 1;
+  std::optional<void*> memory = scratch.Allocate(bytes, 16);  // XLA's largest accepted alignment
+  if (!memory.has_value() || *memory == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      target + ": XLA's FFI scratch allocator could not provide " +
+                          std::to_string(bytes) +
+                          " bytes of cuDNN workspace (set ATTNAUX_CUDNN_WORKSPACE=output to have "
+                          "it allocated as an output buffer instead).");
+  }
+  auto address = reinterpret_cast<uintptr_t>(*memory);
+  *ptr = reinterpret_cast<void*>((address + kAlignment - 1) & ~uintptr_t{kAlignment - 1});
   return ffi::Error::Success();
 }
 
-ffi::Error FlashForwardImpl(cudaStream_t stream, int32_t device,
+ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
                             ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
-                            ffi::Buffer<ffi::S32> kv_seqlens, float scale, int32_t causal,
+                            ffi::Buffer<ffi::S32> kv_seqlens,
+                            ffi::Buffer<ffi::S32> q_segment_ids,
+                            ffi::Buffer<ffi::S32> kv_segment_ids,
+                            ffi::Buffer<ffi::U32> rng_state, float scale, int32_t causal,
                             int64_t window_left, int64_t window_right, int32_t padding,
-                            int32_t with_max, ffi::Result<ffi::AnyBuffer> out,
+                            int32_t with_max, float softcap, float dropout_rate, int32_t rng_dump,
+                            ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse,
                             ffi::Result<ffi::Buffer<ffi::F32>> row_max,
+                            ffi::Result<ffi::Buffer<ffi::F32>> keep_mask,
                             ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   const std::string target = "attnaux_flash_fwd_cudnn";
   AttnConfig c;
   c.device = device;
   c.backward = false;
   c.with_max = with_max != 0;
-  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, scale, causal,
-                            window_left, window_right, padding, &c);
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids,
+                            kv_segment_ids, rng_state, scale, causal, window_left, window_right,
+                            padding, softcap, dropout_rate, &c);
       e.failure()) {
     return e;
+  }
+  c.rng_dump = rng_dump != 0;
+  if (c.rng_dump && c.dropout <= 0.0f) {
+    return Invalid(target, "rng_dump needs dropout_rate > 0.");
   }
   if (out->element_type() != q.element_type()) return Invalid(target, "out must have q's dtype.");
   if (auto e = ExpectShape(target, "out", out->dimensions(), {c.b, c.sq, c.hq, c.dv});
@@ -176,6 +257,13 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, int32_t device,
       return e;
     }
   }
+  if (c.rng_dump) {
+    if (auto e = ExpectShape(target, "keep_mask", keep_mask->dimensions(),
+                             {c.b, c.hq, c.sq, c.skv});
+        e.failure()) {
+      return e;
+    }
+  }
   DeviceGuard guard(device);
   if (!guard.ok()) return ffi::Error::Internal(target + ": cudaSetDevice failed");
   std::string error;
@@ -183,7 +271,9 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, int32_t device,
   if (!plan) return ffi::Error::InvalidArgument(target + ": " + error);
 
   void* workspace = nullptr;
-  if (auto e = Workspace(target, *plan, *workspace_buffer, &workspace); e.failure()) return e;
+  if (auto e = Workspace(target, *plan, *workspace_buffer, scratch, &workspace); e.failure()) {
+    return e;
+  }
 
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()},
@@ -194,33 +284,34 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, int32_t device,
   } else {
     pack[kStats] = lse->untyped_data();
   }
-  if (c.has_bias()) pack[kBias] = bias.untyped_data();
-  if (c.padding) {
-    pack[kSeqQ] = q_seqlens.untyped_data();
-    pack[kSeqKv] = kv_seqlens.untyped_data();
-  }
+  if (c.rng_dump) pack[kRngDump] = keep_mask->untyped_data();
+  PackCommon(c, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, rng_state, pack);
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
   return ffi::Error::Success();
 }
 
-ffi::Error FlashBackwardImpl(cudaStream_t stream, int32_t device,
+ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
                              ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
-                             ffi::Buffer<ffi::S32> kv_seqlens, ffi::AnyBuffer out,
+                             ffi::Buffer<ffi::S32> kv_seqlens,
+                             ffi::Buffer<ffi::S32> q_segment_ids,
+                             ffi::Buffer<ffi::S32> kv_segment_ids,
+                             ffi::Buffer<ffi::U32> rng_state, ffi::AnyBuffer out,
                              ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats, float scale,
                              int32_t causal, int64_t window_left, int64_t window_right,
-                             int32_t padding, ffi::Result<ffi::AnyBuffer> dq,
-                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                             ffi::Result<ffi::AnyBuffer> dbias,
+                             int32_t padding, float softcap, float dropout_rate,
+                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                              ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   const std::string target = "attnaux_flash_bwd_cudnn";
   AttnConfig c;
   c.device = device;
   c.backward = true;
   c.with_max = false;
-  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, scale, causal,
-                            window_left, window_right, padding, &c);
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids,
+                            kv_segment_ids, rng_state, scale, causal, window_left, window_right,
+                            padding, softcap, dropout_rate, &c);
       e.failure()) {
     return e;
   }
@@ -270,8 +361,9 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, int32_t device,
     if (dbias->element_type() != bias.element_type()) {
       return Invalid(target, "dbias must have the bias's dtype.");
     }
-    // With a padding mask cuDNN may skip padded rows/columns of dbias: start from zeros.
-    if (c.padding) {
+    // With a padding mask or segment ids cuDNN may skip masked rows/columns of dbias: start from
+    // zeros.
+    if (c.padding || c.segments) {
       const size_t bytes = static_cast<size_t>(c.bias_b * c.bias_h * c.sq * c.skv) *
                            (c.bias_f32 ? 4 : 2);
       cudaError_t e = cudaErrorInitializationError;
@@ -283,20 +375,16 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, int32_t device,
     }
   }
   void* workspace = nullptr;
-  if (auto e = Workspace(target, *plan, *workspace_buffer, &workspace); e.failure()) return e;
+  if (auto e = Workspace(target, *plan, *workspace_buffer, scratch, &workspace); e.failure()) {
+    return e;
+  }
 
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.untyped_data()},       {kK, k.untyped_data()},        {kV, v.untyped_data()},
       {kO, out.untyped_data()},     {kDO, dout.untyped_data()},    {kStats, stats.untyped_data()},
       {kDQ, dq->untyped_data()},    {kDK, dk->untyped_data()},     {kDV, dv->untyped_data()}};
-  if (c.has_bias()) {
-    pack[kBias] = bias.untyped_data();
-    pack[kDBias] = dbias->untyped_data();
-  }
-  if (c.padding) {
-    pack[kSeqQ] = q_seqlens.untyped_data();
-    pack[kSeqKv] = kv_seqlens.untyped_data();
-  }
+  if (c.has_bias()) pack[kDBias] = dbias->untyped_data();
+  PackCommon(c, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, rng_state, pack);
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
   return ffi::Error::Success();
@@ -316,6 +404,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
+                         float softcap, float dropout, bool segments, bool rng_dump,
                          bool* bias_f32, int64_t* workspace) {
   AttnConfig c;
   c.device = device;
@@ -336,6 +425,10 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
   c.scale = scale;
   c.backward = backward;
   c.with_max = with_max;
+  c.softcap = softcap;
+  c.dropout = dropout;
+  c.segments = segments;
+  c.rng_dump = rng_dump && !backward;
   std::string error;
   DeviceGuard guard(device);
   if (!guard.ok()) return "cudaSetDevice(" + std::to_string(device) + ") failed";
@@ -361,6 +454,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashFwdCudnn, attnaux_cuda::FlashForwardImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: all work is enqueued on it
+        .Ctx<ffi::ScratchAllocator>()              // cuDNN's workspace (stream-ordered)
         .Ctx<ffi::DeviceOrdinal>()                 // which GPU (graphs/handles are per device)
         .Arg<ffi::AnyBuffer>()                     // q [B, Sq, Hq, D] bf16/f16
         .Arg<ffi::AnyBuffer>()                     // k [B, Skv, Hkv, D]
@@ -368,21 +462,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // bias F32 or T [1|B, 1|Hq, Sq, Skv], or (0,)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens [B] (read iff padding)
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens [B] (read iff padding)
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_segment_ids [B, Sq] or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()              // kv_segment_ids [B, Skv] or (0,)
+        .Arg<ffi::Buffer<ffi::U32>>()              // rng_state [4] (read iff dropout) or (0,)
         .Attr<float>("scale")                      // multiplies q.k
         .Attr<int32_t>("causal")                   // 0 none, 1 top-left, 2 bottom-right
         .Attr<int64_t>("window_left")              // -1 = unbounded
         .Attr<int64_t>("window_right")             // -1 = unbounded
         .Attr<int32_t>("padding")                  // 1: mask rows/keys past the seqlens
         .Attr<int32_t>("with_max")                 // 1: Max + Sum_exp (lse and max), 0: lse only
+        .Attr<float>("softcap")                    // 0 = off
+        .Attr<float>("dropout_rate")               // 0 = off; else cuDNN's Philox from rng_state
+        .Attr<int32_t>("rng_dump")                 // 1: also write cuDNN's dropout keep-mask
         .Ret<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv]
         .Ret<ffi::Buffer<ffi::F32>>()              // sum_exp [B, Hq, Sq] (with_max=1) or lse
         .Ret<ffi::Buffer<ffi::F32>>()              // max [B, Hq, Sq] (or (0,) when with_max=0)
-        .Ret<ffi::AnyBuffer>());                   // cuDNN workspace (u8, sized at trace time)
+        .Ret<ffi::Buffer<ffi::F32>>()              // keep mask 0/1 [B, Hq, Sq, Skv] or (0,)
+        .Ret<ffi::AnyBuffer>());                   // workspace (u8, (0,): XLA's scratch)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashBwdCudnn, attnaux_cuda::FlashBackwardImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+        .Ctx<ffi::ScratchAllocator>()              // cuDNN's workspace (stream-ordered)
         .Ctx<ffi::DeviceOrdinal>()                 // which GPU
         .Arg<ffi::AnyBuffer>()                     // q
         .Arg<ffi::AnyBuffer>()                     // k
@@ -390,6 +492,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // bias (F32 or T) or (0,)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()              // kv_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::U32>>()              // rng_state (the forward's) or (0,)
         .Arg<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv']
         .Arg<ffi::AnyBuffer>()                     // dout [B, Sq, Hq, Dv']
         .Arg<ffi::Buffer<ffi::F32>>()              // lse [B, Hq, Sq] (the softmax stats)
@@ -398,8 +503,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("window_left")              // as in the forward
         .Attr<int64_t>("window_right")             // as in the forward
         .Attr<int32_t>("padding")                  // as in the forward
+        .Attr<float>("softcap")                    // as in the forward
+        .Attr<float>("dropout_rate")               // as in the forward (same mask regenerated)
         .Ret<ffi::AnyBuffer>()                     // dq [B, Sq, Hq, D]
         .Ret<ffi::AnyBuffer>()                     // dk [B, Skv, Hkv, D]
         .Ret<ffi::AnyBuffer>()                     // dv [B, Skv, Hkv, Dv']
         .Ret<ffi::AnyBuffer>()                     // dbias like bias (same dtype), or (0,)
-        .Ret<ffi::AnyBuffer>());                   // cuDNN workspace (u8, sized at trace time)
+        .Ret<ffi::AnyBuffer>());                   // workspace (u8, (0,): XLA's scratch)

@@ -19,12 +19,15 @@ def dropout_mask(
 
     The mask is a pure function of `aux.rng_state`, the shapes and the rate: Philox-4x32-10 over a
     counter built from the element's `(batch, head, q index, kv index)` (see the dropout section
-    of the docs), so it does not depend on tiling, threads or backend.
+    of the docs), so it does not depend on tiling, threads or backend. An aux made by the GPU
+    `flash` backend (`aux.dropout_impl == "cudnn"`) holds a mask cuDNN drew with its own Philox
+    layout from the same `rng_state`; it is replayed through cuDNN (on the GPU), bit for bit.
 
     **Arguments:**
 
     - `aux`: the aux of a call made with `dropout_rate > 0`.
-    - `q`, `k`: the query and key arrays of that call (only their shapes are used).
+    - `q`, `k`: the query and key arrays of that call (only their shapes are used, and for a
+      cuDNN mask q's dtype).
     - `dropout_rate`: the rate of that call.
 
     **Returns:**
@@ -42,7 +45,13 @@ def dropout_mask(
     bsz = 1
     for d in batch:
         bsz *= d
-    keep = dropout_keep_mask(aux.rng_state, dropout_rate, bsz, q_heads, q_seq, kv_seq)
+    if aux.dropout_impl == "cudnn":  # the GPU flash backend: cuDNN's Philox, through cuDNN
+        from attnaux._flash_cuda import cudnn_dropout_keep_mask
+
+        keep = cudnn_dropout_keep_mask(aux.rng_state, dropout_rate, bsz, q_heads, k.shape[-2],
+                                       q_seq, kv_seq, q.shape[-1], q.dtype)
+    else:
+        keep = dropout_keep_mask(aux.rng_state, dropout_rate, bsz, q_heads, q_seq, kv_seq)
     return jnp.reshape(keep, (*batch, q_heads, q_seq, kv_seq))
 
 

@@ -73,7 +73,8 @@ def save(path: str | os.PathLike, collection: Mapping[str, AttnAux]) -> None:
                 x = x.view(np.uint16)  # npz stores ml_dtypes arrays as opaque bytes otherwise
             arrays[f"{index}.{field}"] = x
             fields[field] = dtype
-        entries.append({"name": name, "backend": aux.backend, "fields": fields})
+        entries.append({"name": name, "backend": aux.backend, "dropout_impl": aux.dropout_impl,
+                        "fields": fields})
     meta = {"format": _FORMAT, "version": _VERSION, "entries": entries}
     arrays["__meta__"] = np.array(json.dumps(meta))
     np.savez(path, **arrays)
@@ -118,5 +119,8 @@ def load(path: str | os.PathLike) -> dict[str, AttnAux]:
                 if str(x.dtype) != dtype:
                     x = x.view(jnp.dtype(dtype))
                 fields[field] = jnp.asarray(x)
-            collection[entry["name"]] = AttnAux(backend=entry["backend"], **fields)
+            collection[entry["name"]] = AttnAux(
+                backend=entry["backend"], dropout_impl=entry.get("dropout_impl", "attnaux"),
+                **fields
+            )
     return collection

@@ -222,6 +222,13 @@ def attention_vjp(
                 f"`dropout_rate={rate}` was given but `aux.rng_state` is None: the call that "
                 "made `aux` used no dropout. Pass the dropout_rate of that call."
             )
+        if aux.dropout_impl != "attnaux":
+            raise ValueError(
+                f"`aux.dropout_impl` is {aux.dropout_impl!r}: the dropout mask of that call was "
+                "drawn by cuDNN (the GPU flash backend), and attention_vjp regenerates attnaux's "
+                "own Philox mask block by block. Differentiate the attention call itself (its "
+                "fused backward replays cuDNN's mask), or use backend='reference' for dropout."
+            )
         rng_state = aux.rng_state
     lse = jnp.reshape(aux.lse, rows)
     dlse = jnp.zeros(rows, jnp.float32) if dlse is None else jnp.reshape(dlse, rows)

@@ -11,6 +11,11 @@ of the largest entry) instead of 2e-5: cuDNN evaluates exp/log with the hardware
 `ex2`/`lg2` (relative error ~2**-22 per call) on logits pre-multiplied by log2(e), then converts
 back. Biases are rounded to the input dtype first, so the comparison does not depend on whether
 cuDNN takes the float32 bias or (fallback) a bias converted to the input dtype.
+
+Dropout on GPU is cuDNN's own Philox mask, not attnaux's CPU mask, so `reference` cannot be the
+oracle there: the dropout tests replay the mask with `attnaux.introspect.dropout_mask` and
+recompute out (and differentiate it) in float32 JAX from the reference probabilities and that
+mask, with the same tolerances. A wrong mask would miss by O(rate * |v|), far outside them.
 """
 
 import jax
@@ -29,6 +34,8 @@ from conftest import (
 
 import attnaux
 from attnaux import _ffi
+from attnaux import introspect as ai
+from attnaux._philox import dropout_keep_mask
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,8 +82,36 @@ CASES = [
     ("seqlens_window", 4, 128, 128, 4, 4, 64, 64, dict(kv_seqlens="rand", window=(16, 4))),
     ("batch_dims", (2, 3), 64, 64, 4, 4, 64, 64, dict(causal=True)),
     ("unbatched", (), 64, 80, 4, 4, 64, 64, {}),
+    # bias or dropout with bottom-right causal masking: the masks move into attnaux's score
+    # modifier (cuDNN's built-in band does not combine with a bias there)
+    ("bias_bottom_right", 2, 96, 160, 4, 2, 64, 64, dict(bias="bHQK", causal="bottom_right")),
+    ("bias_bottom_right_seqlens", 4, 96, 128, 4, 4, 64, 64,
+     dict(bias="BHQK", causal="bottom_right", q_seqlens="rand", kv_seqlens="rand")),
+    # softcap: logits of std ~4 against caps of 2-5, so the tanh saturates
+    ("softcap", 2, 128, 128, 4, 4, 64, 64, dict(softcap=2.0, scale=0.5)),
+    ("softcap_causal_gqa", 2, 128, 128, 8, 2, 64, 64, dict(softcap=3.0, scale=0.5, causal=True)),
+    ("softcap_bias_seqlens_window", 4, 128, 128, 4, 4, 64, 64,
+     dict(softcap=4.0, scale=0.5, bias="bHQK", q_seqlens="rand", kv_seqlens="rand",
+          window=(32, 8))),
+    ("softcap_bottom_right", 2, 96, 160, 4, 4, 64, 64,
+     dict(softcap=5.0, scale=0.5, causal="bottom_right")),
+    # sink: applied after cuDNN (lse includes it, max does not); with seqlens "edges" rows with
+    # no key have lse = sink
+    ("sink", 2, 128, 128, 4, 4, 64, 64, dict(sink=True)),
+    ("sink_causal_seqlens", 6, 96, 96, 4, 2, 64, 64,
+     dict(sink=True, causal=True, q_seqlens="edges", kv_seqlens="edges")),
+    ("sink_softcap_d256", 1, 128, 128, 2, 2, 256, 256, dict(sink=True, softcap=5.0, causal=True)),
+    # segment ids: a select in attnaux's score modifier; sorted random runs, so some segments are
+    # empty on one side (rows with no visible key)
+    ("segments", 2, 128, 128, 4, 4, 64, 64, dict(segments=3)),
+    ("segments_causal_gqa", 2, 128, 128, 8, 2, 64, 64, dict(segments=4, causal=True)),
+    ("segments_cross_bias_sink", 2, 96, 128, 4, 4, 64, 64,
+     dict(segments=2, bias="BHQK", sink=True)),
+    ("segments_seqlens_window", 4, 128, 128, 4, 4, 64, 64,
+     dict(segments=3, kv_seqlens="rand", window=(24, 0))),
 ]
-F16_CASES = {"plain", "causal", "bottom_right", "bias_full", "seqlens", "window_causal", "d256"}
+F16_CASES = {"plain", "causal", "bottom_right", "bias_full", "seqlens", "window_causal", "d256",
+             "softcap_causal_gqa", "sink", "segments_causal_gqa"}
 PARAMS = [pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bf16") for c in CASES] + [
     pytest.param(c, jnp.float16, id=f"{c[0]}-f16") for c in CASES if c[0] in F16_CASES
 ]
@@ -198,22 +233,32 @@ def test_not_served_on_gpu_goes_to_reference():
     with pytest.raises(ValueError, match="flash"):
         attnaux.attention(q, k, v, backend="flash")
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    key = jax.random.key(0)
-    for opts, word in (
-        (dict(dropout_rate=0.1, key=key), "dropout"),
-        (dict(softcap=5.0), "softcap"),
-        (dict(sink=jnp.zeros((2,))), "sink"),
-        (dict(mask=jnp.ones((64, 64), bool)), "mask"),
-        (dict(q_segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment"),
-        (dict(bias=jnp.zeros((64, 64)), causal="bottom_right"), "bias"),
-    ):
-        ex = attnaux.explain(qb, kb, vb, **opts)
-        assert ex.backend != "flash", opts
-        assert word in ex.reasons["flash"], ex.reasons["flash"]
-        out, aux = attnaux.attention(qb, kb, vb, **opts)  # auto still works
-        assert aux.backend != "flash"
+    mask = jnp.ones((64, 64), bool)
+    ex = attnaux.explain(qb, kb, vb, mask=mask)
+    assert ex.backend != "flash" and "mask" in ex.reasons["flash"], ex.reasons["flash"]
+    with pytest.raises(ValueError, match="mask"):
+        attnaux.attention(qb, kb, vb, mask=mask, backend="flash")
+    out, aux = attnaux.attention(qb, kb, vb, mask=mask)  # auto still works
+    assert aux.backend != "flash"
     qo, ko, vo = make_inputs(0, 1, 64, 64, 2, 2, 60, 60, jnp.bfloat16)
     assert "multiples of 8" in attnaux.explain(qo, ko, vo).reasons["flash"]
+
+
+def test_served_on_gpu():
+    """softcap, sink, dropout and segment ids run on cuDNN (or explain says why not)."""
+    q, k, v = make_inputs(0, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
+    key = jax.random.key(0)
+    for opts in (
+        dict(dropout_rate=0.1, key=key),
+        dict(softcap=5.0),
+        dict(sink=jnp.zeros((2,))),
+        dict(q_segment_ids=jnp.zeros((1, 64), jnp.int32)),
+        dict(bias=jnp.zeros((64, 64)), causal="bottom_right"),
+        dict(dropout_rate=0.1, key=key, causal=True, softcap=3.0),
+    ):
+        ex = attnaux.explain(q, k, v, **opts)
+        assert ex.backend == "flash", (opts, ex.reasons["flash"])
+        assert ex.implementation.startswith("cuDNN")
 
 
 def test_vmap_matches_reference():
@@ -261,6 +306,173 @@ def test_zero_sized():
     out, aux = attnaux.attention(q, k, v, backend="flash")
     assert out.shape == (2, 16, 2, 64) and not np.asarray(out, np.float32).any()
     assert np.isneginf(np.asarray(aux.lse)).all() and np.isneginf(np.asarray(aux.max)).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Dropout: cuDNN's Philox mask, replayed
+# ------------------------------------------------------------------------------------------------
+RATE = 0.2
+# (name, batch, q_seq, kv_seq, q_heads, kv_heads, qk_dim, v_dim, options)
+DROPOUT_CASES = [
+    ("plain", 2, 128, 128, 4, 4, 64, 64, {}),
+    ("odd_lengths_gqa", 2, 100, 77, 4, 2, 64, 64, {}),
+    ("causal_gqa", 2, 128, 128, 8, 2, 64, 64, dict(causal=True)),
+    ("d128_v64", 1, 128, 160, 4, 4, 128, 64, {}),
+    ("seqlens_window", 3, 128, 128, 4, 4, 64, 64,
+     dict(q_seqlens="rand", kv_seqlens="rand", window=(32, 4))),
+    ("bias", 2, 128, 128, 4, 4, 64, 64, dict(bias="bHQK")),
+    ("softcap_bottom_right", 2, 96, 160, 4, 4, 64, 64,
+     dict(softcap=4.0, scale=0.5, causal="bottom_right")),
+    ("segments_sink", 2, 128, 128, 4, 4, 64, 64, dict(segments=3, sink=True)),
+    ("d256", 1, 128, 128, 2, 2, 256, 256, dict(causal=True)),
+]
+
+
+def _replayed(q, k, v, opts, keep, rate):
+    """`(out, lse)` in float32 JAX: the reference probabilities of a dropout-free call (float32
+    inputs, so float32 P), times `keep / (1 - rate)`, times v. Differentiable in q, k, v, bias,
+    sink."""
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _, aux = attnaux.attention(f32(q), f32(k), f32(v), backend="reference", return_probs=True,
+                               **opts)
+    group = q.shape[-2] // k.shape[-2]
+    vv = jnp.repeat(f32(v), group, axis=-2)
+    weights = jnp.where(keep, aux.probs / (1 - rate), 0.0)
+    out = jnp.einsum("...hqk,...khd->...qhd", weights, vv, precision=jax.lax.Precision.HIGHEST)
+    return out, aux.lse
+
+
+def _dropout_setup(case, seed=0):
+    name, batch, q_seq, kv_seq, q_heads, kv_heads, qk_dim, v_dim, options = case
+    batch = (batch,) if isinstance(batch, int) else batch
+    q, k, v = make_inputs(seed, batch, q_seq, kv_seq, q_heads, kv_heads, qk_dim, v_dim,
+                          jnp.bfloat16)
+    opts = make_options(seed + 1, batch, q_seq, kv_seq, q_heads, **options)
+    if "bias" in opts:
+        opts["bias"] = opts["bias"].astype(jnp.bfloat16).astype(jnp.float32)
+    return q, k, v, opts
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=[c[0] for c in DROPOUT_CASES])
+def test_dropout_replay(case):
+    """out from the cuDNN call equals out recomputed from the replayed mask; lse is untouched."""
+    q, k, v, opts = _dropout_setup(case)
+    key = jax.random.key(3)
+    _require_flash(q, k, v, dict(opts, dropout_rate=RATE, key=key))
+    out, aux = attnaux.attention(q, k, v, dropout_rate=RATE, key=key, backend="flash", **opts)
+    assert aux.backend == "flash" and aux.dropout_impl == "cudnn"
+    keep = ai.dropout_mask(aux, q, k, dropout_rate=RATE)
+    assert keep.shape == (*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+    assert keep.dtype == jnp.bool_
+    # the replay is deterministic and keeps about 1 - rate of the entries
+    assert np.array_equal(np.asarray(keep), np.asarray(ai.dropout_mask(aux, q, k,
+                                                                       dropout_rate=RATE)))
+    assert abs(float(jnp.mean(keep)) - (1 - RATE)) < 0.02
+    want_out, want_lse = _replayed(q, k, v, opts, keep, RATE)
+    assert_close(out, want_out, tol(jnp.bfloat16, "out"), "out from the replayed mask")
+    assert_close(aux.lse, want_lse, STATS_TOL, "lse (dropout does not change it)")
+    # attnaux's CPU mask is a different draw: it must not explain cuDNN's output
+    cpu_keep = dropout_keep_mask(aux.rng_state, RATE, int(np.prod(q.shape[:-3])), q.shape[-2],
+                                 q.shape[-3], k.shape[-3]).reshape(keep.shape)
+    wrong, _ = _replayed(q, k, v, opts, cpu_keep, RATE)
+    assert float(jnp.max(jnp.abs(wrong - out.astype(jnp.float32)))) > 0.1
+
+
+@pytest.mark.parametrize("name", ["causal_gqa", "bias", "seqlens_window", "softcap_bottom_right",
+                                  "segments_sink", "d256"])
+def test_dropout_gradients(name):
+    """Gradients of sum(out * w) + sum(lse * u) (lse cotangent included) through cuDNN's backward,
+    which regenerates its mask, against JAX's gradients of the replayed float32 computation."""
+    case = next(c for c in DROPOUT_CASES if c[0] == name)
+    q, k, v, opts = _dropout_setup(case, seed=4)
+    key = jax.random.key(5)
+    _require_flash(q, k, v, dict(opts, dropout_rate=RATE, key=key))
+    w, u = loss_weights(6, q, v)
+    diff = {"q": q, "k": k, "v": v}
+    for n in ("bias", "sink"):
+        if n in opts:
+            diff[n] = opts.pop(n)
+
+    def flash_loss(diff):
+        extra = {n: x for n, x in diff.items() if n not in ("q", "k", "v")}
+        out, aux = attnaux.attention(diff["q"], diff["k"], diff["v"], dropout_rate=RATE, key=key,
+                                     backend="flash", **extra, **opts)
+        lse = jnp.where(jnp.isfinite(aux.lse), aux.lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(lse * u), aux
+
+    (_, aux), got = jax.jit(jax.value_and_grad(flash_loss, has_aux=True))(diff)
+    keep = ai.dropout_mask(aux, q, k, dropout_rate=RATE)
+
+    def replay_loss(diff):
+        extra = {n: x for n, x in diff.items() if n not in ("q", "k", "v")}
+        out, lse = _replayed(diff["q"], diff["k"], diff["v"], dict(opts, **extra), keep, RATE)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out * w) + jnp.sum(lse * u)
+
+    want = jax.jit(jax.grad(replay_loss))(
+        {n: (x.astype(jnp.float32) if n in "qkv" else x) for n, x in diff.items()})
+    for n in got:
+        assert_close(got[n], want[n], tol(jnp.bfloat16, "grad"), f"d{n} with dropout")
+
+
+def test_dropout_keys_and_vmap():
+    q, k, v = make_inputs(7, (3, 2), 96, 96, 4, 2, 64, 64, jnp.bfloat16)
+    key = jax.random.key(11)
+    f = jax.jit(lambda q, k, v, key: attnaux.attention(q, k, v, dropout_rate=RATE, key=key,
+                                                       causal=True, backend="flash"))
+    out1, aux1 = f(q, k, v, key)
+    out2, _ = f(q, k, v, key)
+    out3, _ = f(q, k, v, jax.random.key(12))
+    assert np.array_equal(np.asarray(out1, np.float32), np.asarray(out2, np.float32))
+    assert not np.array_equal(np.asarray(out1, np.float32), np.asarray(out3, np.float32))
+    # vmap over the leading axis with one key: element n equals the unbatched call on x[n], so
+    # the replay of an element's aux holds for the vmapped output too
+    mapped, aux_m = jax.vmap(lambda q, k, v: f(q, k, v, key))(q, k, v)
+    for n in range(q.shape[0]):
+        single, _ = f(q[n], k[n], v[n], key)
+        assert_close(mapped[n], single, (1e-6, 1e-6), f"vmap element {n}")
+    # the replay works under vmap too (one aux, the elements' shapes)
+    keep = jax.vmap(lambda q, k: ai.dropout_mask(aux1, q, k, dropout_rate=RATE))(q, k)
+    single = ai.dropout_mask(aux1, q[0], k[0], dropout_rate=RATE)
+    for n in range(q.shape[0]):
+        assert np.array_equal(np.asarray(keep[n]), np.asarray(single))
+
+
+def test_attention_vjp_refuses_a_cudnn_mask():
+    q, k, v = make_inputs(9, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
+    out, aux = attnaux.attention(q, k, v, dropout_rate=RATE, key=jax.random.key(2),
+                                 backend="flash")
+    with pytest.raises(ValueError, match="cudnn"):
+        ai.attention_vjp(q, k, v, out, aux, jnp.ones_like(out), dropout_rate=RATE)
+
+
+# ------------------------------------------------------------------------------------------------
+# Workspace
+# ------------------------------------------------------------------------------------------------
+def test_workspace_from_xla_scratch(monkeypatch):
+    """By default cuDNN's workspace comes from XLA's FFI scratch allocator (the call has a u8[0]
+    workspace output); ATTNAUX_CUDNN_WORKSPACE=output sizes an output buffer instead. Both give
+    the same gradients (to float32 rounding: cuDNN's dq uses atomics)."""
+    q, k, v = make_inputs(10, 2, 192, 192, 4, 2, 64, 64, jnp.bfloat16)
+    bias = jnp.asarray(np.random.default_rng(1).standard_normal((4, 192, 192)), jnp.float32)
+
+    def loss(q, k, v, bias):
+        out, aux = attnaux.attention(q, k, v, bias=bias, causal=True, backend="flash")
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(aux.lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    hlo = jax.jit(grad).lower(q, k, v, bias).as_text()
+    assert "attnaux_flash_bwd_cudnn" in hlo and "u8[0]" in hlo
+    got = jax.jit(grad)(q, k, v, bias)
+    sizes = [what for key, what in _ffi.ext_cuda().graph_cache_entries() if key.startswith("bwd")]
+    assert any("workspace 0 B" not in what for what in sizes), sizes  # scratch really used
+    monkeypatch.setenv("ATTNAUX_CUDNN_WORKSPACE", "output")
+    jax.clear_caches()  # the workspace output's shape is decided at trace time
+    hlo = jax.jit(lambda *a: grad(*a)).lower(q, k, v, bias).as_text()
+    assert "u8[0]" not in hlo
+    want = jax.jit(lambda *a: grad(*a))(q, k, v, bias)
+    for g, r, n in zip(got, want, "qkvb", strict=True):
+        assert_close(g, r, (1e-2, 1e-3), f"d{n} scratch vs output workspace")
 
 
 def test_graph_cache_report():

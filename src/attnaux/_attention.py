@@ -81,8 +81,12 @@ def _attention_jit(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv
     row_max = jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:])))
     if probs is not None:
         probs = probs.reshape((*batch, *probs.shape[1:]))
+    # cuDNN (flash on GPU) draws its own dropout mask from rng_state: record it for the replay.
+    on_cudnn = choice.backend == "flash" and choice.implementation.startswith("cuDNN")
+    dropout_impl = "cudnn" if on_cudnn and options.dropout_rate > 0 else "attnaux"
     aux = AttnAux(
-        lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state, backend=choice.backend
+        lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state, backend=choice.backend,
+        dropout_impl=dropout_impl,
     )
     return out, aux
 

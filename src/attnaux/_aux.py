@@ -21,6 +21,10 @@ class AttnAux(eqx.Module):
     - `rng_state`: `uint32[4]` (seed as 2 words, offset as 2 words) that determines the dropout
       keep-mask exactly, or `None` without dropout.
     - `backend`: which backend ran (`"flash"`, `"probs"`, `"small_seq"` or `"reference"`); static.
+    - `dropout_impl`: which generator drew the dropout keep-mask from `rng_state`; static.
+      `"attnaux"`: attnaux's documented Philox layout (the CPU kernels and `reference`);
+      `"cudnn"`: cuDNN's own Philox (the GPU `flash` backend). `attnaux.introspect.dropout_mask`
+      replays either.
     """
 
     lse: Float[Array, "*batch q_heads q_seq"]
@@ -28,3 +32,4 @@ class AttnAux(eqx.Module):
     probs: Float[Array, "*batch q_heads q_seq kv_seq"] | None = None
     rng_state: UInt32[Array, "4"] | None = None
     backend: str = eqx.field(static=True, default="reference")
+    dropout_impl: str = eqx.field(static=True, default="attnaux")

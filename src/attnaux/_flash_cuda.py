@@ -9,21 +9,42 @@ static configuration and cache it. What cuDNN does not give directly is done her
   lse cotangent. `dlse` enters exactly by appending columns: `O' = [O, -dlse]`, `dO' = [dO, 1]`,
   `V' = [V, 0]` gives `rowsum(dO' * O') = D - dlse` while `dO' . V'^T = dO . V^T` (the column
   carries `-dlse` split into three bf16/f16 parts, summed by cuDNN in float32). Without an lse
-  cotangent (`custom_vjp` symbolic zeros) none of this runs.
-- **Rows with no visible key** (padding rows past `q_seqlens`, windows that see nothing): outputs
-  are set to 0 / -inf here, the backward gets `lse = +inf` for them (so cuDNN's recomputed P is
-  0, never NaN) and zero cotangents, and their gradients are selected to 0.
+  cotangent (`custom_vjp` symbolic zeros) none of this runs. It holds with dropout too: cuDNN
+  forms `dS = P * (mask * dP / (1 - rate) - D)`, so `D - dlse` gives the `+ P * dlse` term.
+- **Sink**: cuDNN's own sink token would enter its `Max` output (attnaux's `max` excludes the
+  sink), so the sink is applied after cuDNN, exactly: with `lse0` the row's log-sum-exp without
+  it, `lse = logaddexp(lse0, sink)` and `out = out0 * exp(lse0 - lse)` (the output is a
+  P-weighted sum, dropout included, so it rescales). Its gradient is JAX's, through these two
+  lines and the fused backward (which then always has an lse cotangent).
+- **Dropout**: cuDNN draws its keep-mask with its own Philox generator, seeded from
+  `aux.rng_state` (words 0-1: the int64 seed, words 2-3: the int64 offset), and its backward
+  regenerates the same mask. That mask is not attnaux's documented CPU mask;
+  `cudnn_dropout_keep_mask` regenerates it through cuDNN's RNG dump output, and
+  `attnaux.introspect.dropout_mask` calls it for an aux with `dropout_impl == "cudnn"`.
+- **Softcap, segment ids**: attnaux's own score modifier inside cuDNN's kernel (softcap's tanh and
+  its derivative; a select on `q_segment_ids[i] == kv_segment_ids[j]`). cuDNN takes no built-in
+  mask next to a score modifier, so there the causal, window and padding masks are in the
+  modifier as well (also for a bias or dropout with bottom-right causal masking, which cuDNN's
+  built-in mask does not combine with).
+- **Rows with no visible key** (padding rows past `q_seqlens`, windows that see nothing, a query
+  whose segment has no key): outputs are set to 0 / -inf here, the backward gets `lse = +inf` for
+  them (so cuDNN's recomputed P is 0, never NaN) and zero cotangents, and their gradients are
+  selected to 0.
 
 The bias goes to cuDNN in float32 when it takes it, else (cuDNN 9.19) rounded to the input dtype;
 its gradient comes back in that dtype.
 
+cuDNN's workspace comes from XLA's FFI scratch allocator; `ATTNAUX_CUDNN_WORKSPACE=output` makes
+it an output buffer of the call instead, sized at trace time (for an XLA whose FFI offers no
+scratch allocator).
+
 Not served on GPU (`unavailable` says why; `auto` then uses `reference`): float32/float64 inputs,
-boolean `mask`, segment ids, softcap, sink, dropout, `return_probs`, head dims that are not
-multiples of 8 in [8, 256], bias together with bottom-right causal masking, and any configuration
-cuDNN itself rejects (asked at trace time through `_ext_cuda.check_support`).
+boolean `mask`, `return_probs`, head dims that are not multiples of 8 in [8, 256], and any
+configuration cuDNN itself rejects (asked at trace time through `_ext_cuda.check_support`).
 """
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -38,8 +59,19 @@ FWD_TARGET = "attnaux_flash_fwd_cudnn"
 BWD_TARGET = "attnaux_flash_bwd_cudnn"
 MAX_HEAD_DIM = 256
 IMPLEMENTATION = "cuDNN fused attention (XLA FFI, gpu)"
+DROPOUT_IMPL = "cudnn"  # AttnAux.dropout_impl of calls whose keep-mask cuDNN drew
 _NOT_BUILT = "the CUDA toolkit, cuDNN or cudnn-frontend headers were not found at build time"
 _EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
+_WORKSPACE_MODES = ("scratch", "output")
+
+
+def _workspace_mode() -> str:
+    mode = os.environ.get("ATTNAUX_CUDNN_WORKSPACE", "scratch")
+    if mode not in _WORKSPACE_MODES:
+        raise ValueError(
+            f"ATTNAUX_CUDNN_WORKSPACE must be one of {_WORKSPACE_MODES}; got {mode!r}."
+        )
+    return mode
 
 
 class Config(NamedTuple):
@@ -51,6 +83,9 @@ class Config(NamedTuple):
     window_right: int
     padding: bool
     with_max: bool
+    softcap: float = 0.0
+    dropout_rate: float = 0.0
+    segments: bool = False
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -70,6 +105,11 @@ def _device_ordinal() -> int:
         return 0
 
 
+def _f32(x: float) -> float:
+    """`x` rounded to float32, as the handler's attribute (and the graph key) sees it."""
+    return float(np.float32(x))
+
+
 def unavailable(problem: Problem) -> str | None:
     """Why the GPU `flash` backend cannot serve `problem`, or None when it can."""
     a, o = problem.arrays, problem.options
@@ -84,34 +124,21 @@ def unavailable(problem: Problem) -> str | None:
             f"cuDNN fused attention takes bfloat16 or float16 inputs, got {dtype.name} "
             "(cast q, k and v to bfloat16 to use it)"
         )
-    unsupported = []
     if a.mask is not None:
-        unsupported.append("a boolean `mask`")
-    if a.q_segment_ids is not None:
-        unsupported.append("segment ids")
-    if o.softcap > 0:
-        unsupported.append("softcap")
-    if a.sink is not None:
-        unsupported.append("a sink (cuDNN's row max would include it)")
-    if o.dropout_rate > 0:
-        unsupported.append(
-            "dropout (cuDNN draws its own Philox mask, which attnaux.introspect.dropout_mask does "
-            "not replay)"
+        return (
+            "the cuDNN path does not serve a boolean `mask` (it would be a quadratic bias "
+            "tensor; pass the structure as causal/window/seqlens/segment ids where it has one)"
         )
-    if unsupported:
-        return "the cuDNN path does not serve " + ", ".join(unsupported)
     _, _, _, qk_dim = a.q.shape
     v_dim = a.v.shape[-1]
     for name, dim in (("qk_dim", qk_dim), ("v_dim", v_dim)):
         if dim % 8 != 0 or not 8 <= dim <= MAX_HEAD_DIM:
             return f"cuDNN needs head dims that are multiples of 8 in [8, 256]; got {name}={dim}"
-    if a.bias is not None and o.causal == 2:
-        return "cuDNN does not combine a bias with bottom-right causal masking"
     bsz, q_seq, q_heads, _ = a.q.shape
     kv_seq, kv_heads = a.k.shape[1], a.k.shape[2]
     if 0 in (bsz, q_seq, kv_seq, q_heads):
         return None  # zero-sized: answered without cuDNN
-    cfg = _config(o, q_seq, kv_seq, with_max=True)
+    cfg = _config(o, q_seq, kv_seq, with_max=True, segments=a.q_segment_ids is not None)
     bias_b, bias_h = (0, 0) if a.bias is None else (a.bias.shape[0], a.bias.shape[1])
     why, _ = _check(cfg, dtype.name, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim,
                     bias_b, bias_h)
@@ -120,13 +147,16 @@ def unavailable(problem: Problem) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(cfg: "Config", backward: bool, dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq,
-          qk_dim, v_dim, bias_b, bias_h, try_f32_bias: bool) -> tuple[str, bool, int]:
+          qk_dim, v_dim, bias_b, bias_h, try_f32_bias: bool,
+          rng_dump: bool = False) -> tuple[str, bool, int]:
     """Builds (once: the C++ cache keeps it) the cuDNN graph of one call and returns `(reason or
     "", whether it takes the bias in float32, workspace bytes)`."""
     return _ffi.ext_cuda().check_support(
         _device_ordinal(), 0 if dtype == "bfloat16" else 1, bsz, q_heads, kv_heads, q_seq,
         kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
-        cfg.window_right, float(np.float32(cfg.scale)), backward, cfg.with_max, try_f32_bias,
+        cfg.window_right, _f32(cfg.scale), backward, cfg.with_max, try_f32_bias,
+        softcap=_f32(cfg.softcap), dropout=_f32(cfg.dropout_rate), segments=cfg.segments,
+        rng_dump=rng_dump,
     )
 
 
@@ -150,18 +180,23 @@ def _check(cfg: "Config", dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_
     return "", fwd_f32 and bwd_f32
 
 
-def _workspace(cfg: "Config", backward: bool, q, k, v, bias) -> jax.ShapeDtypeStruct:
-    """The cuDNN workspace of this call as an extra (discarded) output buffer of the FFI call."""
+def _workspace(cfg: "Config", backward: bool, q, k, v, bias,
+               rng_dump: bool = False) -> jax.ShapeDtypeStruct:
+    """The workspace output of the FFI call: `(0,)` (cuDNN's workspace then comes from XLA's
+    scratch allocator), or a buffer of the plan's size with ATTNAUX_CUDNN_WORKSPACE=output.
+    Raises if cuDNN cannot build the graph."""
     bias_b, bias_h = (bias.shape[0], bias.shape[1]) if _present(bias) else (0, 0)
     why, _, size = _plan(cfg, backward, jnp.dtype(q.dtype).name, q.shape[0], q.shape[2],
                          k.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3], bias_b,
-                         bias_h, (not _present(bias)) or bias.dtype == jnp.float32)
+                         bias_h, (not _present(bias)) or bias.dtype == jnp.float32, rng_dump)
     if why:
         raise ValueError(f"backend='flash' (cuDNN) cannot run this call: {why}")
-    return jax.ShapeDtypeStruct((max(int(size), 1),), jnp.uint8)
+    size = max(int(size), 1) if _workspace_mode() == "output" else 0
+    return jax.ShapeDtypeStruct((size,), jnp.uint8)
 
 
-def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool) -> Config:
+def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
+            segments: bool = False) -> Config:
     return Config(
         scale=float(options.scale),
         causal=int(options.causal),
@@ -169,6 +204,9 @@ def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool) -> Con
         window_right=int(options.window_right),
         padding=_padding(options, q_seq, kv_seq),
         with_max=bool(with_max),
+        softcap=float(options.softcap),
+        dropout_rate=float(options.dropout_rate),
+        segments=bool(segments),
     )
 
 
@@ -179,6 +217,8 @@ def _attrs(cfg: Config) -> dict:
         window_left=np.int64(cfg.window_left),
         window_right=np.int64(cfg.window_right),
         padding=np.int32(cfg.padding),
+        softcap=np.float32(cfg.softcap),
+        dropout_rate=np.float32(cfg.dropout_rate),
     )
 
 
@@ -187,13 +227,37 @@ def _present(x: jax.Array) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# vmap: fold the mapped axis into the kernel's batch (one launch), like the CPU kernels.
+# vmap: fold the mapped axis into the kernel's batch (one launch), like the CPU kernels; with
+# dropout, map one element after another instead (folding would move each element's rows to other
+# batch indices of cuDNN's mask, so `vmap(f)(x)[n]` would differ from `f(x[n])` and from the
+# replayed mask).
 # ------------------------------------------------------------------------------------------------
-_BIAS = 3  # argument index of the bias; every other argument is per batch element
+_BIAS = 3  # argument index of the bias
+_RNG = 8  # argument index of rng_state; every other argument is per batch element
+
+
+def _map_sequentially(fn, in_batched, args):
+    def one(mapped):
+        it = iter(mapped)
+        return fn(*(next(it) if b else x for x, b in zip(args, in_batched, strict=True)))
+
+    outs = jax.lax.map(one, tuple(x for x, b in zip(args, in_batched, strict=True) if b))
+    unbatched, batched = [], []
+    for o in outs:
+        if o.ndim == 2 and o.shape[1] == 0:  # an absent output, (0,) per element
+            unbatched.append(jnp.zeros((0,), o.dtype))
+            batched.append(False)
+        else:
+            unbatched.append(o)
+            batched.append(True)
+    return tuple(unbatched), tuple(batched)
 
 
 def _fold_rule(fn, dbias_output: int | None):
     def rule(axis_size, in_batched, *args):
+        rng = args[_RNG]
+        if _present(rng[0] if in_batched[_RNG] else rng):
+            return _map_sequentially(fn, in_batched, args)
         bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
         bias = args[_BIAS]
         bias_present = _present(bias[0] if in_batched[_BIAS] else bias)
@@ -209,6 +273,9 @@ def _fold_rule(fn, dbias_output: int | None):
                 bias_b = x.shape[1]
                 x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
                 folded.append(x.reshape((axis_size * bsz, *x.shape[2:])))
+                continue
+            if i == _RNG:
+                folded.append(x[0] if b else x)  # absent here: (0,)
                 continue
             if not b:
                 x = jnp.broadcast_to(x, (axis_size, *x.shape))
@@ -233,17 +300,18 @@ def _fold_rule(fn, dbias_output: int | None):
 @functools.cache
 def _forward_call(cfg: Config):
     @custom_vmap
-    def forward(q, k, v, bias, q_len, kv_len):
+    def forward(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
         bsz, q_seq, q_heads, _ = q.shape
         stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
         row_max = stats if cfg.with_max else jax.ShapeDtypeStruct((0,), jnp.float32)
         call = jax.ffi.ffi_call(
             FWD_TARGET,
             (jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype), stats, row_max,
-             _workspace(cfg, False, q, k, v, bias)),
+             jax.ShapeDtypeStruct((0,), jnp.float32), _workspace(cfg, False, q, k, v, bias)),
         )
         return tuple(
-            call(q, k, v, bias, q_len, kv_len, with_max=np.int32(cfg.with_max), **_attrs(cfg))
+            call(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng,
+                 with_max=np.int32(cfg.with_max), rng_dump=np.int32(0), **_attrs(cfg))
         )[:3]
 
     forward.def_vmap(_fold_rule(forward, None))
@@ -253,7 +321,7 @@ def _forward_call(cfg: Config):
 @functools.cache
 def _backward_call(cfg: Config):
     @custom_vmap
-    def backward(q, k, v, bias, q_len, kv_len, out, dout, stats):
+    def backward(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng, out, dout, stats):
         dbias = jax.ShapeDtypeStruct(bias.shape if _present(bias) else (0,), bias.dtype)
         call = jax.ffi.ffi_call(
             BWD_TARGET,
@@ -265,7 +333,8 @@ def _backward_call(cfg: Config):
                 _workspace(cfg, True, q, k, v, bias),
             ),
         )
-        return tuple(call(q, k, v, bias, q_len, kv_len, out, dout, stats, **_attrs(cfg)))[:4]
+        return tuple(call(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng, out, dout, stats,
+                          **_attrs(cfg)))[:4]
 
     backward.def_vmap(_fold_rule(backward, 3))
     return backward
@@ -275,7 +344,8 @@ def _backward_call(cfg: Config):
 # Rows with no visible key
 # ------------------------------------------------------------------------------------------------
 def _visible_rows(cfg: Config, q_len, kv_len, q_seq: int) -> jax.Array:
-    """`[B, Sq]` bool: query row i is real (i < q_len) and sees at least one key."""
+    """`[B, Sq]` bool: query row i is real (i < q_len) and sees at least one key (segment ids
+    aside: those are judged from cuDNN's row max)."""
     i = jnp.arange(q_seq, dtype=jnp.int32)[None, :]
     ql, kl = q_len[:, None], kv_len[:, None]
     off = kl - ql if cfg.causal == 2 else jnp.zeros_like(ql)
@@ -297,17 +367,22 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
-def _forward(cfg: Config, q, k, v, bias, q_len, kv_len):
-    out, stats, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len)
+def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
+    out, stats, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng)
     if cfg.with_max:  # cuDNN gave Max and Sum_exp
         lse = row_max + jnp.log(stats)
     else:  # cuDNN gave its Stats (lse) alone
         lse = row_max = stats
     stats = lse
-    if cfg.padding:
-        rows = _visible_rows(cfg, q_len, kv_len, q.shape[1])
-        out = jnp.where(rows[:, :, None, None], out, 0)
-        r = rows[:, None, :]
+    if cfg.padding or cfg.segments:
+        r = jnp.ones(lse.shape, bool)
+        if cfg.padding:
+            r &= _visible_rows(cfg, q_len, kv_len, q.shape[1])[:, None, :]
+        if cfg.segments:
+            # A query whose segment has no visible key: cuDNN's row max stays -inf (NaN counts
+            # as not seen as well).
+            r &= row_max > -jnp.inf
+        out = jnp.where(r.transpose(0, 2, 1)[..., None], out, 0)
         stats = jnp.where(r, lse, jnp.inf)  # recomputed P = exp(s - inf) = 0 for such rows
         lse = jnp.where(r, lse, -jnp.inf)
         row_max = jnp.where(r, row_max, -jnp.inf)
@@ -315,8 +390,8 @@ def _forward(cfg: Config, q, k, v, bias, q_len, kv_len):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: Config, q, k, v, bias, q_len, kv_len):
-    out, lse, row_max, _ = _forward(cfg, q, k, v, bias, q_len, kv_len)
+def _core(cfg: Config, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
+    out, lse, row_max, _ = _forward(cfg, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng)
     return out, lse, row_max
 
 
@@ -331,46 +406,45 @@ def _zero_cotangent(x) -> bool:
 
 
 def _core_bwd(cfg: Config, residuals, cotangents):
-    (q, k, v, bias, q_len, kv_len), out, stats = residuals
+    (q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng), out, stats = residuals
     dout, dlse, _ = cotangents  # the row max carries no gradient
     no_out, no_lse = _zero_cotangent(dout), _zero_cotangent(dlse)
     if no_out and no_lse:
-        return (None,) * 6
+        return (None,) * 9
     dout = jnp.zeros_like(out) if no_out else dout.astype(out.dtype)
     if not no_lse:
         dlse = dlse.astype(jnp.float32)
     bsz, q_seq, q_heads, _ = q.shape
     kv_seq, v_dim = k.shape[1], v.shape[-1]
-    if cfg.padding:
-        rows = _visible_rows(cfg, q_len, kv_len, q_seq)
-        dout = jnp.where(rows[:, :, None, None], dout, 0)
+    if cfg.padding or cfg.segments:
+        visible = stats < jnp.inf  # [B, Hq, Sq]: the forward set +inf for rows seeing nothing
+        dout = jnp.where(visible.transpose(0, 2, 1)[..., None], dout, 0)
         if not no_lse:
-            dlse = jnp.where(rows[:, None, :], dlse, 0.0)
+            dlse = jnp.where(visible, dlse, 0.0)
     call = _backward_call(cfg)
     extra = _EXTRA_COLUMNS
+    common = (q_len, kv_len, q_seg, kv_seg, rng)
     if no_lse:
-        dq, dk, dv, dbias = call(q, k, v, bias, q_len, kv_len, out, dout, stats)
+        dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
     else:
-        parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3]
+        parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3], sum = -dlse
+        pad_q = jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)
         if v_dim + extra <= MAX_HEAD_DIM:
             # rowsum(dO' * O') = rowsum(dO * O) - dlse; dO' . V'^T = dO . V^T.
-            pad_q = jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)
             out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
             dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
             v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
-            dq, dk, dv, dbias = call(q, k, v_x, bias, q_len, kv_len, out_x, dout_x, stats)
+            dq, dk, dv, dbias = call(q, k, v_x, bias, *common, out_x, dout_x, stats)
             dv = dv[..., :v_dim]
         else:
-            # No room for columns: a second backward with O = 0, dO = -(-dlse) parts, V = 1 gives
-            # dS = P * dlse exactly (its dV is discarded).
-            dq, dk, dv, dbias = call(q, k, v, bias, q_len, kv_len, out, dout, stats)
-            ones = jnp.ones((bsz, kv_seq, k.shape[2], 3), q.dtype)
-            v_1 = jnp.concatenate([ones, jnp.zeros((*ones.shape[:-1], extra - 3), q.dtype)], -1)
-            do_1 = jnp.concatenate(
-                [-parts, jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)], axis=-1
-            )
-            o_1 = jnp.zeros_like(do_1)
-            dq1, dk1, _, dbias1 = call(q, k, v_1, bias, q_len, kv_len, o_1, do_1, stats)
+            # No room for columns: a second backward with O = -dlse (parts), dO = 1, V = 0 has
+            # dP = 0 and D = -dlse, so dS = P * dlse exactly, with or without dropout (its dV is
+            # discarded).
+            dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
+            o_1 = jnp.concatenate([parts, pad_q], axis=-1)
+            do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
+            v_1 = jnp.zeros((bsz, kv_seq, k.shape[2], extra), q.dtype)
+            dq1, dk1, _, dbias1 = call(q, k, v_1, bias, *common, o_1, do_1, stats)
             dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
             dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
             if _present(bias):
@@ -383,10 +457,22 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         dv = jnp.where(kv_rows, dv, 0)
         # dbias needs nothing: cuDNN's dS is 0 at padded rows (lse = +inf) and masked keys, and
         # the handler zeroes dbias first in case cuDNN skips them.
-    return (dq, dk, dv, dbias if _present(bias) else None, None, None)
+    return (dq, dk, dv, dbias if _present(bias) else None, None, None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+
+
+def _with_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Adds a per-head sink logit to every softmax denominator, after the fact (exact: the output
+    is a P-weighted sum, so it scales by `exp(lse0 - lse)`). Rows without a visible key (lse0 =
+    -inf) get `out = 0`, `lse = sink` and zero gradients."""
+    s = sink.astype(jnp.float32)[None, :, None]
+    shift = jax.lax.stop_gradient(jnp.maximum(lse, s))  # finite: the sink is
+    lse_sink = shift + jnp.log(jnp.exp(lse - shift) + jnp.exp(s - shift))
+    ratio = jnp.exp(lse - lse_sink)  # [B, Hq, Sq], 0 where lse0 = -inf
+    out = (out.astype(jnp.float32) * ratio.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+    return out, lse_sink
 
 
 def flash_attention_cuda(
@@ -404,8 +490,19 @@ def flash_attention_cuda(
         # Nothing for cuDNN to do: every row (if any) sees no key.
         out = jnp.zeros((bsz, q_seq, q_heads, v_dim), q.dtype)
         none = jnp.full((bsz, q_heads, q_seq), -jnp.inf, jnp.float32)
-        return out, none, none
-    cfg = _config(options, q_seq, kv_seq, with_max=with_max)
+        lse = none
+        if arrays.sink is not None:
+            out, lse = _with_sink(out, none, arrays.sink)
+        return out, lse, none
+    segments = arrays.q_segment_ids is not None
+    if segments:
+        # Rows hidden by the segment ids still enter cuDNN's products with weight 0 (0 * NaN):
+        # zero them first, as the CPU kernels do.
+        from ._flash import zero_hidden_rows
+
+        arrays = zero_hidden_rows(arrays, options)
+        q, k, v = arrays.q, arrays.k, arrays.v
+    cfg = _config(options, q_seq, kv_seq, with_max=with_max, segments=segments)
     bias = arrays.bias
     if bias is None:
         bias = jnp.zeros((0,), jnp.float32)
@@ -429,4 +526,56 @@ def flash_attention_cuda(
         q = jnp.where(q_rows, q, 0)
         k = jnp.where(kv_rows, k, 0)
         v = jnp.where(kv_rows, v, 0)
-    return _core(cfg, q, k, v, bias, q_len, kv_len)
+    absent = jnp.zeros((0,), jnp.int32)
+    q_seg = arrays.q_segment_ids.astype(jnp.int32) if segments else absent
+    kv_seg = arrays.kv_segment_ids.astype(jnp.int32) if segments else absent
+    rng = arrays.rng_state if cfg.dropout_rate > 0 else jnp.zeros((0,), jnp.uint32)
+    out, lse, row_max = _core(cfg, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng)
+    if arrays.sink is not None:
+        out, lse = _with_sink(out, lse, arrays.sink)
+    return out, lse, row_max
+
+
+# ------------------------------------------------------------------------------------------------
+# Dropout mask replay
+# ------------------------------------------------------------------------------------------------
+def cudnn_dropout_keep_mask(
+    rng_state: jax.Array, rate: float, batch: int, q_heads: int, kv_heads: int, q_seq: int,
+    kv_seq: int, qk_dim: int, dtype,
+) -> jax.Array:
+    """The `bool[batch, q_heads, q_seq, kv_seq]` keep-mask cuDNN draws for `rng_state` and `rate`,
+    through its RNG dump: a forward graph of these shapes with dropout, run on zeros, that also
+    writes the mask it applied. cuDNN's Philox counters depend on the (batch, head, row, column)
+    of each entry and on the shapes, not on the data or on the masks, which is what makes the
+    replay exact (tests/test_gpu_flash.py checks it against the outputs of real calls)."""
+    if not _ffi.has_target(FWD_TARGET, "gpu"):
+        raise ValueError(
+            "this aux was made by cuDNN (dropout_impl='cudnn'), and replaying cuDNN's mask needs "
+            "attnaux's CUDA handlers, which this build lacks "
+            f"({_ffi.CUDA_IMPORT_ERROR or _NOT_BUILT})."
+        )
+    shape = (batch, q_heads, q_seq, kv_seq)
+    if 0 in shape:
+        return jnp.zeros(shape, bool)
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        dtype = jnp.dtype(jnp.bfloat16)  # the mask does not depend on the dtype of the data
+    cfg = Config(scale=1.0, causal=0, window_left=-1, window_right=-1, padding=False,
+                 with_max=True, dropout_rate=float(rate))
+    q = jnp.zeros((batch, q_seq, q_heads, qk_dim), dtype)
+    k = jnp.zeros((batch, kv_seq, kv_heads, qk_dim), dtype)
+    bias = jnp.zeros((0,), jnp.float32)
+    stats = jax.ShapeDtypeStruct((batch, q_heads, q_seq), jnp.float32)
+    call = jax.ffi.ffi_call(
+        FWD_TARGET,
+        (jax.ShapeDtypeStruct((batch, q_seq, q_heads, qk_dim), dtype), stats, stats,
+         jax.ShapeDtypeStruct(shape, jnp.float32),
+         _workspace(cfg, False, q, k, k, bias, rng_dump=True)),
+        vmap_method="sequential",
+    )
+    lens = jnp.zeros((batch,), jnp.int32)
+    absent = jnp.zeros((0,), jnp.int32)
+    dump = call(q, k, k, bias, lens, lens, absent, absent,
+                jnp.asarray(rng_state, jnp.uint32), with_max=np.int32(1), rng_dump=np.int32(1),
+                **_attrs(cfg))[3]
+    return dump > 0.5
