@@ -76,6 +76,10 @@ struct AttnConfig {
   float dropout = 0.0f;   // probability of dropping an entry of P (cuDNN's Philox), 0 = none
   bool rng_dump = false;  // forward: also write cuDNN's dropout keep-mask (mask replay)
   bool segments = false;  // q/kv segment ids: a query sees only keys of its own segment
+  // Forward: pin cuDNN's composite SDPA implementation (the one that emits Max + Sum_exp on
+  // cuDNN < 9.21) instead of letting the frontend pick; used to measure the max's cost on one
+  // engine (benchmarks/gpu_flash.py).
+  bool composite = false;
 
   bool has_bias() const { return bias_b > 0; }
 
@@ -95,13 +99,14 @@ struct AttnConfig {
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "%s dev%d t%d b%lld hq%lld hk%lld sq%lld skv%lld d%lld dv%lld bias%lldx%lld "
-                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d seg%d",
+                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d seg%d comp%d",
                   backward ? "bwd" : "fwd", device, dtype, (long long)b, (long long)hq,
                   (long long)hk, (long long)sq, (long long)skv, (long long)d, (long long)dv,
                   (long long)bias_b, (long long)bias_h, (int)padding, causal,
                   (long long)window_left, (long long)window_right, scale_bits,
                   backward ? 0 : (int)with_max, has_bias() ? (int)bias_f32 : 0, softcap_bits,
-                  dropout_bits, (int)(rng_dump && !backward), (int)segments);
+                  dropout_bits, (int)(rng_dump && !backward), (int)segments,
+                  (int)(composite && !backward));
     return buf;
   }
 };
@@ -430,6 +435,7 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
   try {
     if (!c.backward) {
       auto attrs = g::SDPA_attributes().set_name("attnaux_flash_fwd").set_attn_scale(c.scale);
+      if (c.composite) attrs.set_implementation(fe::AttentionImplementation_t::COMPOSITE);
       if (bias) attrs.set_bias(bias);
       if (modifier) {
         attrs.set_score_mod(forward_mod);

@@ -222,7 +222,8 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::Buffer<ffi::S32> kv_segment_ids,
                             ffi::Buffer<ffi::U32> rng_state, float scale, int32_t causal,
                             int64_t window_left, int64_t window_right, int32_t padding,
-                            int32_t with_max, float softcap, float dropout_rate, int32_t rng_dump,
+                            int32_t with_max, int32_t composite, float softcap,
+                            float dropout_rate, int32_t rng_dump,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse,
                             ffi::Result<ffi::Buffer<ffi::F32>> row_max,
@@ -240,6 +241,7 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
     return e;
   }
   c.rng_dump = rng_dump != 0;
+  c.composite = composite != 0;
   if (c.rng_dump && c.dropout <= 0.0f) {
     return Invalid(target, "rng_dump needs dropout_rate > 0.");
   }
@@ -405,7 +407,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
                          float softcap, float dropout, bool segments, bool rng_dump,
-                         bool* bias_f32, int64_t* workspace) {
+                         bool composite, bool* bias_f32, int64_t* workspace) {
   AttnConfig c;
   c.device = device;
   c.dtype = dtype;
@@ -429,6 +431,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
   c.dropout = dropout;
   c.segments = segments;
   c.rng_dump = rng_dump && !backward;
+  c.composite = composite && !backward;
   std::string error;
   DeviceGuard guard(device);
   if (!guard.ok()) return "cudaSetDevice(" + std::to_string(device) + ") failed";
@@ -471,6 +474,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("window_right")             // -1 = unbounded
         .Attr<int32_t>("padding")                  // 1: mask rows/keys past the seqlens
         .Attr<int32_t>("with_max")                 // 1: Max + Sum_exp (lse and max), 0: lse only
+        .Attr<int32_t>("composite")                // 1: pin cuDNN's composite implementation
         .Attr<float>("softcap")                    // 0 = off
         .Attr<float>("dropout_rate")               // 0 = off; else cuDNN's Philox from rng_state
         .Attr<int32_t>("rng_dump")                 // 1: also write cuDNN's dropout keep-mask

@@ -23,7 +23,8 @@ void SetLibraryHints(const std::string& cudnn, const std::string& cudart);
 int64_t LoadedCudnnVersion();
 // "" when cuDNN serves the configuration (building and caching its graph), else the reason;
 // `softcap` (0 = off), `dropout` (the probability, 0 = off), `segments` (segment ids given) and
-// `rng_dump` (a forward that also writes cuDNN's dropout keep-mask) complete the configuration.
+// `rng_dump` (a forward that also writes cuDNN's dropout keep-mask) complete the configuration;
+// `composite` pins cuDNN's composite SDPA implementation for a forward (for measurements).
 // With `try_f32_bias` a bias is tried in float32 first, else in the io dtype; `bias_f32` tells which
 // the graph takes (and gives dbias in), `workspace` the bytes of cuDNN workspace it needs.
 std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
@@ -31,7 +32,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
                          float softcap, float dropout, bool segments, bool rng_dump,
-                         bool* bias_f32, int64_t* workspace);
+                         bool composite, bool* bias_f32, int64_t* workspace);
 struct CacheStats {
   int64_t size, builds, hits;
 };

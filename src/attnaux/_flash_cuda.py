@@ -86,6 +86,7 @@ class Config(NamedTuple):
     softcap: float = 0.0
     dropout_rate: float = 0.0
     segments: bool = False
+    composite: bool = False  # forward: pin cuDNN's composite implementation (measurements only)
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -156,7 +157,7 @@ def _plan(cfg: "Config", backward: bool, dtype: str, bsz, q_heads, kv_heads, q_s
         kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
         cfg.window_right, _f32(cfg.scale), backward, cfg.with_max, try_f32_bias,
         softcap=_f32(cfg.softcap), dropout=_f32(cfg.dropout_rate), segments=cfg.segments,
-        rng_dump=rng_dump,
+        rng_dump=rng_dump, composite=cfg.composite,
     )
 
 
@@ -311,7 +312,8 @@ def _forward_call(cfg: Config):
         )
         return tuple(
             call(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng,
-                 with_max=np.int32(cfg.with_max), rng_dump=np.int32(0), **_attrs(cfg))
+                 with_max=np.int32(cfg.with_max), composite=np.int32(cfg.composite),
+                 rng_dump=np.int32(0), **_attrs(cfg))
         )[:3]
 
     forward.def_vmap(_fold_rule(forward, None))
@@ -476,12 +478,14 @@ def _with_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Arr
 
 
 def flash_attention_cuda(
-    arrays: Canonical, options: Options, *, with_max: bool = True
+    arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
 
-    `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max; it
-    exists to measure what the max costs (benchmarks/gpu_flash.py).
+    `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max, and
+    `composite=True` pins cuDNN's composite SDPA implementation for the forward (the frontend
+    otherwise picks, and may pick its "unified" one for a Stats-only graph); both exist to
+    measure what the max costs (benchmarks/gpu_flash.py).
     """
     q, k, v = arrays.q, arrays.k, arrays.v
     bsz, q_seq, q_heads, _ = q.shape
@@ -503,13 +507,14 @@ def flash_attention_cuda(
         arrays = zero_hidden_rows(arrays, options)
         q, k, v = arrays.q, arrays.k, arrays.v
     cfg = _config(options, q_seq, kv_seq, with_max=with_max, segments=segments)
+    cfg = cfg._replace(composite=bool(composite))
     bias = arrays.bias
     if bias is None:
         bias = jnp.zeros((0,), jnp.float32)
     else:  # cuDNN broadcasts batch and heads; the sequence dims are materialised
-        _, bias_f32 = _check(cfg._replace(with_max=True), jnp.dtype(q.dtype).name, bsz, q_heads,
-                             k.shape[2], q_seq, kv_seq, q.shape[-1], v_dim, bias.shape[0],
-                             bias.shape[1])
+        served = cfg._replace(with_max=True, composite=False)  # the graphs `unavailable` built
+        _, bias_f32 = _check(served, jnp.dtype(q.dtype).name, bsz, q_heads, k.shape[2], q_seq,
+                             kv_seq, q.shape[-1], v_dim, bias.shape[0], bias.shape[1])
         # float32 when cuDNN takes it, else rounded to the input dtype (its gradient comes back
         # in that dtype and flows to the float32 bias through the cast)
         bias = jnp.broadcast_to(
@@ -576,6 +581,6 @@ def cudnn_dropout_keep_mask(
     lens = jnp.zeros((batch,), jnp.int32)
     absent = jnp.zeros((0,), jnp.int32)
     dump = call(q, k, k, bias, lens, lens, absent, absent,
-                jnp.asarray(rng_state, jnp.uint32), with_max=np.int32(1), rng_dump=np.int32(1),
-                **_attrs(cfg))[3]
+                jnp.asarray(rng_state, jnp.uint32), with_max=np.int32(1), composite=np.int32(0),
+                rng_dump=np.int32(1), **_attrs(cfg))[3]
     return dump > 0.5
