@@ -9,6 +9,7 @@
 
 #include "attention_cpu.h"
 #include "attention_validate.h"
+#include "cpu_memory.h"
 #include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -231,6 +232,8 @@ ffi::Error FlashForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
       ExpectShape("lse (output)", lse->dimensions(), {p.batch, p.q_heads, p.q_len}));
   ATTNAUX_RETURN_IF_ERROR(
       ExpectShape("max (output)", max->dimensions(), {p.batch, p.q_heads, p.q_len}));
+  // A fresh output buffer: back it with huge pages (if large) before the kernel's first touch.
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
   ForwardOutputs outputs;
   outputs.out = out->untyped_data();
   outputs.lse = lse->typed_data();
@@ -281,6 +284,11 @@ ffi::Error FlashBackwardImpl(
   inputs.dout = dout.untyped_data();
   inputs.lse = lse.typed_data();
   inputs.dlse = dlse.typed_data();
+  // Fresh output buffers: back the large ones with huge pages before the kernel's first touch.
+  AdviseHugePages(dq->untyped_data(), dq->size_bytes());
+  AdviseHugePages(dk->untyped_data(), dk->size_bytes());
+  AdviseHugePages(dv->untyped_data(), dv->size_bytes());
+  if (p.bias != nullptr) AdviseHugePages(dbias->untyped_data(), dbias->size_bytes());
   BackwardOutputs outputs;
   outputs.dq = dq->untyped_data();
   outputs.dk = dk->untyped_data();

@@ -11,6 +11,7 @@
 
 #include "attention_cpu.h"
 #include "attention_validate.h"
+#include "cpu_memory.h"
 #include "probs_common.h"
 #include "probs_cpu.h"
 #include "small_seq_cpu.h"
@@ -105,6 +106,9 @@ ffi::Error ProbsForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
                                               dtype, probs->dimensions(),
                                               {p.batch, p.q_heads, p.q_len, p.kv_len}));
   }
+  // Fresh output buffers: back the large ones with huge pages before the kernel's first touch.
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
+  if (write_probs) AdviseHugePages(probs->untyped_data(), probs->size_bytes());
   ProbsForwardOutputs o;
   o.out = out->untyped_data();
   o.lse = lse->typed_data();
@@ -171,6 +175,11 @@ ffi::Error ProbsBackwardImpl(
   in.probs = probs.untyped_data();
   in.dlse = dlse.typed_data();
   in.dprobs = has_dprobs ? dprobs.untyped_data() : nullptr;
+  // Fresh output buffers: back the large ones with huge pages before the kernel's first touch.
+  AdviseHugePages(dq->untyped_data(), dq->size_bytes());
+  AdviseHugePages(dk->untyped_data(), dk->size_bytes());
+  AdviseHugePages(dv->untyped_data(), dv->size_bytes());
+  if (p.bias != nullptr) AdviseHugePages(dbias->untyped_data(), dbias->size_bytes());
   BackwardOutputs o;
   o.dq = dq->untyped_data();
   o.dk = dk->untyped_data();
