@@ -328,6 +328,7 @@ void ApplyMasks(const AttnConfig& c, Attributes& a) {
 // serves the forward and the bprop lambda of one graph.
 struct ScoreModifier {
   AttnConfig c;
+  int segment_variant = 0;  // how the segment ids are compared (see BuildGraphAnyVariant)
   std::shared_ptr<fe::graph::Tensor_attributes> softcap, seq_q, seq_kv, q_segment, kv_segment;
   fe::graph::attn::score_modifiers::Softcap softcap_op;
 
@@ -337,11 +338,41 @@ struct ScoreModifier {
     namespace mods = fe::graph::attn::score_modifiers;
     if (c.softcap > 0) x = softcap_op.forward(graph, x, softcap);
     if (c.segments) {
-      auto same = graph->pointwise(q_segment, kv_segment,
-                                   g::Pointwise_attributes()
-                                       .set_name("same_segment")
-                                       .set_mode(fe::PointwiseMode_t::CMP_EQ)
-                                       .set_compute_data_type(fe::DataType_t::BOOLEAN));
+      std::shared_ptr<g::Tensor_attributes> same;
+      if (segment_variant == 0) {
+        // q ids [B, 1, Sq, 1] against kv ids [B, 1, 1, Skv], broadcast by the comparison.
+        same = graph->pointwise(q_segment, kv_segment,
+                                g::Pointwise_attributes()
+                                    .set_name("same_segment")
+                                    .set_mode(fe::PointwiseMode_t::CMP_EQ)
+                                    .set_compute_data_type(fe::DataType_t::BOOLEAN));
+      } else {
+        // The same through a full-shape int32 tensor first (column index * 0 + q id), in the
+        // pattern of cuDNN's own padding mask (a full tensor compared with a side tensor).
+        auto column = graph->pointwise(x, g::Pointwise_attributes()
+                                              .set_name("segment_col_index")
+                                              .set_mode(fe::PointwiseMode_t::GEN_INDEX)
+                                              .set_axis(3)
+                                              .set_compute_data_type(fe::DataType_t::INT32));
+        column->set_data_type(fe::DataType_t::INT32);
+        auto zero = graph->pointwise(column, std::make_shared<g::Tensor_attributes>(int32_t{0}),
+                                     g::Pointwise_attributes()
+                                         .set_name("segment_zero")
+                                         .set_mode(fe::PointwiseMode_t::MUL)
+                                         .set_compute_data_type(fe::DataType_t::INT32));
+        zero->set_data_type(fe::DataType_t::INT32);
+        auto q_ids = graph->pointwise(zero, q_segment,
+                                      g::Pointwise_attributes()
+                                          .set_name("segment_q_ids")
+                                          .set_mode(fe::PointwiseMode_t::ADD)
+                                          .set_compute_data_type(fe::DataType_t::INT32));
+        q_ids->set_data_type(fe::DataType_t::INT32);
+        same = graph->pointwise(q_ids, kv_segment,
+                                g::Pointwise_attributes()
+                                    .set_name("same_segment")
+                                    .set_mode(fe::PointwiseMode_t::CMP_EQ)
+                                    .set_compute_data_type(fe::DataType_t::BOOLEAN));
+      }
       same->set_data_type(fe::DataType_t::BOOLEAN);
       auto minus_inf = std::make_shared<g::Tensor_attributes>(mods::get_negative_inf_value());
       x = graph->pointwise(x, minus_inf, same,
@@ -368,7 +399,8 @@ struct ScoreModifier {
 };
 
 // Builds the graph of `c` on `handle` (the caller holds the device mutex). Returns "" or why not.
-inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* plan) {
+inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* plan,
+                              int segment_variant = 0) {
   namespace g = fe::graph;
   auto graph = std::make_shared<g::Graph>();
   const auto io = c.dtype == 0 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
@@ -412,6 +444,7 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
   if (c.masks_in_score_mod()) {
     modifier = std::make_shared<ScoreModifier>();
     modifier->c = c;
+    modifier->segment_variant = segment_variant;
     modifier->seq_q = seq_q;
     modifier->seq_kv = seq_kv;
     if (c.softcap > 0) modifier->softcap = std::make_shared<g::Tensor_attributes>(c.softcap);
@@ -526,6 +559,16 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
   return "";
 }
 
+// BuildGraph, trying the second spelling of the segment-id comparison when cuDNN rejects the first
+// (both compute the same mask; which one cuDNN's fused engine accepts is its business).
+inline std::string BuildGraphAnyVariant(const AttnConfig& c, cudnnHandle_t handle, Plan* plan) {
+  std::string why = BuildGraph(c, handle, plan, 0);
+  if (why.empty() || !c.segments) return why;
+  std::string why_full = BuildGraph(c, handle, plan, 1);
+  if (why_full.empty()) return "";
+  return why + " (and with the segment ids compared through a full-shape index: " + why_full + ")";
+}
+
 // ------------------------------------------------------------------------------------------------
 // The cache
 // ------------------------------------------------------------------------------------------------
@@ -570,14 +613,14 @@ class GraphCache {
     }
     Entry entry;
     auto plan = std::make_shared<Plan>();
-    std::string why = BuildGraph(c, dev->handle, plan.get());
+    std::string why = BuildGraphAnyVariant(c, dev->handle, plan.get());
     std::string low_key;
     if (!why.empty() && c.has_bias() && c.bias_f32 && fallback) {
       // cuDNN's fused kernels may want the bias in the io dtype: the handler then converts it.
       AttnConfig low = c;
       low.bias_f32 = false;
       auto plan_low = std::make_shared<Plan>();
-      std::string why_low = BuildGraph(low, dev->handle, plan_low.get());
+      std::string why_low = BuildGraphAnyVariant(low, dev->handle, plan_low.get());
       if (why_low.empty()) {
         plan = plan_low;
         why.clear();

@@ -95,6 +95,12 @@ CASES = [
           window=(32, 8))),
     ("softcap_bottom_right", 2, 96, 160, 4, 4, 64, 64,
      dict(softcap=5.0, scale=0.5, causal="bottom_right")),
+    ("softcap_seqlens", 4, 128, 128, 4, 4, 64, 64,
+     dict(softcap=4.0, scale=0.5, q_seqlens="rand", kv_seqlens="rand")),
+    ("softcap_window", 2, 128, 128, 4, 4, 64, 64, dict(softcap=4.0, scale=0.5, window=(32, 8))),
+    ("softcap_bias", 2, 128, 128, 4, 4, 64, 64, dict(softcap=4.0, scale=0.5, bias="bHQK")),
+    ("seqlens_bias_heads", 4, 128, 128, 4, 4, 64, 64,
+     dict(q_seqlens="rand", kv_seqlens="rand", bias="bHQK")),
     # sink: applied after cuDNN (lse includes it, max does not); with seqlens "edges" rows with
     # no key have lse = sink
     ("sink", 2, 128, 128, 4, 4, 64, 64, dict(sink=True)),
@@ -245,20 +251,23 @@ def test_not_served_on_gpu_goes_to_reference():
 
 
 def test_served_on_gpu():
-    """softcap, sink, dropout and segment ids run on cuDNN (or explain says why not)."""
+    """softcap, sink, dropout and a bias with bottom-right causal masking run on cuDNN; segment
+    ids do where cuDNN builds attnaux's segment modifier, else explain gives cuDNN's reason."""
     q, k, v = make_inputs(0, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
     key = jax.random.key(0)
     for opts in (
         dict(dropout_rate=0.1, key=key),
         dict(softcap=5.0),
         dict(sink=jnp.zeros((2,))),
-        dict(q_segment_ids=jnp.zeros((1, 64), jnp.int32)),
         dict(bias=jnp.zeros((64, 64)), causal="bottom_right"),
         dict(dropout_rate=0.1, key=key, causal=True, softcap=3.0),
     ):
         ex = attnaux.explain(q, k, v, **opts)
         assert ex.backend == "flash", (opts, ex.reasons["flash"])
         assert ex.implementation.startswith("cuDNN")
+    ex = attnaux.explain(q, k, v, q_segment_ids=jnp.zeros((1, 64), jnp.int32))
+    print("segment ids on GPU:", ex.backend, ex.reasons["flash"])
+    assert ex.backend == "flash" or "cuDNN" in ex.reasons["flash"], ex.reasons["flash"]
 
 
 def test_vmap_matches_reference():
