@@ -1,18 +1,25 @@
 """GPU benchmark of attnaux's own CUDA kernels, side by side in one run.
 
-    python benchmarks/gpu_kernels.py
+    python benchmarks/gpu_kernels.py            # everything
+    python benchmarks/gpu_kernels.py small_seq  # one section: copy, softmax, small_seq, probs
 
-- copy: the measured device-to-device bandwidth (an XLA elementwise negate, read + write, and
-  a jitted `jnp.copy`; the faster one counts) on a 1 GiB bf16 array;
-- softmax at [8, 16, 2048, 2048] bf16, forward: `attnaux.softmax` (probs, lse, max) vs XLA's
-  `jax.nn.softmax`; bandwidth = (read + write of the logits) / time, and its share of copy;
-- small_seq at batch 30720, 8 heads, head dim 128, kv_seq 16, bf16: forward and forward+backward
-  against `flash` (cuDNN) and `reference`; bandwidth = bytes of q, k, v, out (forward);
-- probs vs reference at kv_seq 256 / 512 (when `probs` runs on this GPU).
+- copy: the measured device-to-device bandwidth (an XLA elementwise negate and a jitted copy of a
+  1 GiB bf16 array, bytes read + written; the faster counts). Every "% copy" below is against it.
+- softmax at [8, 16, 2048, 2048] bf16: `attnaux.softmax` (probs, lse, max) against XLA's softmax,
+  forward (bandwidth = logits read + probs written) and forward+backward.
+- small_seq at batch 30720, 8 heads, head dim 128, kv_seq 16, bf16: forward and
+  forward+backward (`jax.grad`) of `small_seq`, `flash` (cuDNN) and `reference`. Bandwidth counts
+  the fewest bytes each pass must move: forward q, k, v read and out written; forward+backward
+  adds the backward's q, k, v, dout and P read and dq, dk, dv written (k and v are read twice:
+  the backward is a separate kernel).
+- probs (XLA GEMMs around attnaux's CUDA softmax) against `reference` and `flash` at
+  4x256x8x64, 4x512x8x64 and 16x512x16x64 bf16, plus a boolean-mask row (which cuDNN does not
+  serve, so there `auto` picks probs on GPU).
 
 Timing: jitted, 3 warm-up calls, then the best of 5 rounds of the mean of 10 back-to-back calls.
 """
 
+import sys
 import time
 
 import jax
@@ -34,102 +41,117 @@ def timeit(fn, *args, rounds=5, calls=10):
     return best
 
 
-def row(cols, widths=(44, 12, 12, 12, 30)):
+def row(cols, widths=(46, 11, 8, 8, 52)):
     print("| " + " | ".join(str(c).ljust(w) for c, w in zip(cols, widths)) + " |", flush=True)
 
 
-def main():
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    row(("what", "time (ms)", "GB/s", "% copy", "vs"))
-    row(("---",) * 5)
-    # Copy bandwidth
+def fwd_and_grad(backend, **options):
+    """Jitted forward (out and aux) and gradient (of sum(out) w.r.t. q, k, v) of one backend."""
+    fwd = jax.jit(lambda q, k, v: attnaux.attention(q, k, v, backend=backend, **options))
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attnaux.attention(
+        q, k, v, backend=backend, **options)[0].astype(jnp.float32)), argnums=(0, 1, 2)))
+    return fwd, grad
+
+
+def copy_bandwidth():
     x = jnp.ones((1 << 29,), jnp.bfloat16)  # 1 GiB
     nbytes = 2 * x.size * 2
-    t_neg = timeit(jax.jit(lambda a: -a), x)
-    t_cpy = timeit(jax.jit(lambda a: jnp.copy(a) + 0), x)
-    t_copy = min(t_neg, t_cpy)
-    copy_bw = nbytes / t_copy / 1e9
-    row(("copy 1 GiB bf16 (read+write)", f"{t_copy * 1e3:.3f}", f"{copy_bw:.0f}", "100", ""))
-    del x
+    t = min(timeit(jax.jit(lambda a: -a), x), timeit(jax.jit(lambda a: jnp.copy(a) + 0), x))
+    bw = nbytes / t / 1e9
+    row(("copy 1 GiB bf16 (read+write)", f"{t * 1e3:.3f}", f"{bw:.0f}", "100", ""))
+    return bw
 
-    # Softmax
+
+def softmax_section(copy_bw):
     shape = (8, 16, 2048, 2048)
     logits = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
     sbytes = 2 * logits.size * 2
-    f_ax = jax.jit(lambda a: attnaux.softmax(a, scale=0.125, backend="kernel"))
-    f_xla = jax.jit(lambda a: jax.nn.softmax(a.astype(jnp.float32) * 0.125, axis=-1).astype(a.dtype))
-    f_xla_bf = jax.jit(lambda a: jax.nn.softmax(a * 0.125, axis=-1))
-    t_ax = timeit(f_ax, logits)
-    t_xla = timeit(f_xla, logits)
-    t_xla_bf = timeit(f_xla_bf, logits)
+    def ax(a):
+        return attnaux.softmax(a, scale=0.125, backend="kernel")
+
+    def xla(a):
+        return jax.nn.softmax(a.astype(jnp.float32) * 0.125, axis=-1).astype(a.dtype)
+
+    f_ax, f_xla = jax.jit(ax), jax.jit(xla)
+    t_ax, t_xla = timeit(f_ax, logits), timeit(f_xla, logits)
     bw = sbytes / t_ax / 1e9
     row(("softmax fwd [8,16,2048,2048] bf16 attnaux", f"{t_ax * 1e3:.3f}", f"{bw:.0f}",
-         f"{100 * bw / copy_bw:.1f}", f"{t_xla / t_ax:.2f}x vs XLA f32-math"))
+         f"{100 * bw / copy_bw:.1f}", f"{t_xla / t_ax:.2f}x vs XLA (f32 math)"))
     row(("softmax fwd XLA (f32 math)", f"{t_xla * 1e3:.3f}", f"{sbytes / t_xla / 1e9:.0f}",
          f"{100 * sbytes / t_xla / 1e9 / copy_bw:.1f}", ""))
-    row(("softmax fwd XLA (jax.nn.softmax bf16)", f"{t_xla_bf * 1e3:.3f}",
-         f"{sbytes / t_xla_bf / 1e9:.0f}", f"{100 * sbytes / t_xla_bf / 1e9 / copy_bw:.1f}", ""))
     g = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
 
     def grad_of(fn):
         return jax.jit(lambda a, g: jax.vjp(fn, a)[1](g)[0])
 
-    t_axb = timeit(grad_of(lambda a: attnaux.softmax(a, scale=0.125, backend="kernel")[0]), logits, g)
-    t_xlab = timeit(grad_of(lambda a: jax.nn.softmax(a.astype(jnp.float32) * 0.125, axis=-1)
-                            .astype(a.dtype)), logits, g)
+    t_axb = timeit(grad_of(lambda a: ax(a)[0]), logits, g)
+    t_xlab = timeit(grad_of(xla), logits, g)
     row(("softmax fwd+bwd attnaux", f"{t_axb * 1e3:.3f}", "", "", f"{t_xlab / t_axb:.2f}x vs XLA"))
     row(("softmax fwd+bwd XLA", f"{t_xlab * 1e3:.3f}", "", "", ""))
-    del logits, g
 
-    # small_seq
+
+def small_seq_section(copy_bw):
     b, h, d, skv = 30720, 8, 128, 16
     q = jax.random.normal(jax.random.key(2), (b, 1, h, d), jnp.bfloat16)
     k = jax.random.normal(jax.random.key(3), (b, skv, h, d), jnp.bfloat16)
     v = jax.random.normal(jax.random.key(4), (b, skv, h, d), jnp.bfloat16)
-    qbytes = (q.size * 2 + k.size + v.size + q.size) * 2
+    qo, kv, p = q.size * 2, k.size * 2, b * h * skv * 2  # bytes of q (= out, dout), k (= v), P
+    fwd_bytes = 2 * qo + 2 * kv  # q, k, v read; out written
+    both_bytes = fwd_bytes + p + (2 * qo + 2 * kv + p) + (qo + 2 * kv)  # + P; bwd reads; grads
     times = {}
     for backend in ("small_seq", "flash", "reference"):
         try:
-            fwd = jax.jit(lambda q, k, v, be=backend: attnaux.attention(q, k, v, backend=be))
-            tf = timeit(fwd, q, k, v)
-            loss = jax.jit(jax.grad(lambda q, k, v, be=backend: jnp.sum(
-                attnaux.attention(q, k, v, backend=be)[0].astype(jnp.float32)), argnums=(0, 1, 2)))
-            tb = timeit(loss, q, k, v)
-            times[backend] = (tf, tb)
-        except Exception as error:  # e.g. a backend that does not serve this on this GPU
+            fwd, grad = fwd_and_grad(backend)
+            times[backend] = (timeit(fwd, q, k, v), timeit(grad, q, k, v))
+        except Exception as error:  # a backend that does not serve this on this GPU
             print(f"  ({backend}: {type(error).__name__}: {str(error)[:150]})")
-    if "small_seq" in times:
-        tf, tb = times["small_seq"]
-        bw = qbytes / tf / 1e9
-        vs = ", ".join(f"{times[o][0] / tf:.2f}x / {times[o][1] / tb:.2f}x vs {o}"
-                       for o in ("flash", "reference") if o in times)
-        row(("small_seq fwd 30720x8x128 kv16 bf16", f"{tf * 1e3:.3f}", f"{bw:.0f}",
-             f"{100 * bw / copy_bw:.1f}", vs + " (fwd / fwd+bwd)"))
-    for o, (tf, tb) in times.items():
-        row((f"  {o}: fwd / fwd+bwd", f"{tf * 1e3:.3f}", f"{qbytes / tf / 1e9:.0f}",
-             f"{100 * qbytes / tf / 1e9 / copy_bw:.1f}", f"fwd+bwd {tb * 1e3:.3f} ms"))
-    del q, k, v
+    for name, (tf, tb) in times.items():
+        vs = ""
+        if name == "small_seq":
+            vs = "; ".join(f"{times[o][0] / tf:.2f}x / {times[o][1] / tb:.2f}x vs {o}"
+                           for o in ("flash", "reference") if o in times)
+        for what, t, nbytes in (("fwd", tf, fwd_bytes), ("fwd+bwd", tb, both_bytes)):
+            bw = nbytes / t / 1e9
+            row((f"{name} {what} 30720x1x8x128 kv16 bf16", f"{t * 1e3:.3f}", f"{bw:.0f}",
+                 f"{100 * bw / copy_bw:.1f}", vs if what == "fwd" else ""))
+    print(f"  auto picks: {attnaux.explain(q, k, v).backend}")
 
-    # probs
-    for skv in (256, 512):
-        b, s, h, d = 8, skv, 16, 128
-        q = jax.random.normal(jax.random.key(5), (b, s, h, d), jnp.bfloat16)
+
+def probs_section(copy_bw):
+    del copy_bw
+    shapes = [(4, 256, 8, 64, False), (4, 512, 8, 64, False), (16, 512, 16, 64, False),
+              (4, 512, 8, 64, True)]
+    for bsz, s, h, d, masked in shapes:
+        keys = jax.random.split(jax.random.key(5), 3)
+        q, k, v = (jax.random.normal(kk, (bsz, s, h, d), jnp.bfloat16) for kk in keys)
+        options = {"mask": jnp.tril(jnp.ones((s, s), bool))} if masked else {}
         res = {}
-        for backend in ("probs", "reference"):
-            e = attnaux.explain(q, q, q, backend="auto")
+        for backend in ("probs", "reference", "flash"):
             try:
-                fwd = jax.jit(lambda q, be=backend: attnaux.attention(q, q, q, backend=be))
-                tb = timeit(jax.jit(jax.grad(lambda q, be=backend: jnp.sum(
-                    attnaux.attention(q, q, q, backend=be)[0].astype(jnp.float32)))), q)
-                res[backend] = (timeit(fwd, q), tb)
+                fwd, grad = fwd_and_grad(backend, **options)
+                res[backend] = (timeit(fwd, q, k, v), timeit(grad, q, k, v))
             except Exception as error:
-                res[backend] = None
-                print(f"  (probs kv {skv}: {backend} not served: {str(error)[:160]})")
-        for backend, r in res.items():
-            if r is not None:
-                row((f"{backend} fwd / fwd+bwd 8x{skv}x16x128 bf16", f"{r[0] * 1e3:.3f}", "", "",
-                     f"fwd+bwd {r[1] * 1e3:.3f} ms"))
-        print(f"  auto picks: {e.backend}")
+                print(f"  ({backend} {bsz}x{s}x{h}x{d}: {str(error)[:120]})")
+        label = f"{bsz}x{s}x{h}x{d} bf16" + (" bool mask" if masked else "")
+        for backend, (tf, tb) in res.items():
+            vs = ""
+            if backend == "probs":
+                vs = "; ".join(f"{res[o][0] / tf:.2f}x / {res[o][1] / tb:.2f}x vs {o}"
+                               for o in ("reference", "flash") if o in res)
+            row((f"{backend} {label}", f"{tf * 1e3:.3f}", "", "",
+                 f"fwd+bwd {tb * 1e3:.3f} ms {vs}"))
+        print(f"  auto picks: {attnaux.explain(q, k, v, **options).backend}")
+
+
+def main():
+    sections = sys.argv[1:] or ["softmax", "small_seq", "probs"]
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    row(("what", "time (ms)", "GB/s", "% copy", "vs (fwd / fwd+bwd)"))
+    row(("---",) * 5)
+    copy_bw = copy_bandwidth()
+    for name in sections:
+        {"softmax": softmax_section, "small_seq": small_seq_section,
+         "probs": probs_section}[name](copy_bw)
 
 
 if __name__ == "__main__":

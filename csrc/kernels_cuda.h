@@ -1,6 +1,7 @@
 // XLA FFI handlers of attnaux's own CUDA kernels (csrc/kernels_cuda.cu): the fused softmax
 // (docs/softmax_abi.md) and the `small_seq` attention primitive (docs/kernel_abi.md), registered
-// for platform "CUDA" under the same target names as the CPU handlers.
+// for platform "CUDA" under the same target names as the CPU handlers, and the fused softmax of
+// the `probs` backend on GPU (GPU-only targets, see src/attnaux/_probs_gpu.py).
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -9,3 +10,5 @@ extern "C" XLA_FFI_Error* AttnauxSoftmaxFwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxSmallSeqFwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxSmallSeqBwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxFwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);

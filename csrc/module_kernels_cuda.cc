@@ -12,7 +12,9 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_kernels_cuda, m) {
-  m.doc() = "attnaux's CUDA kernels (fused softmax, small_seq) behind XLA FFI handlers.";
+  m.doc() =
+      "attnaux's CUDA kernels (fused softmax, small_seq, the probs softmax) behind XLA FFI "
+      "handlers.";
   m.def(
       "registrations",
       []() {
@@ -21,6 +23,8 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxSoftmaxBwdCuda);
         handlers["attnaux_small_seq_fwd"] = attnaux::HandlerCapsule(AttnauxSmallSeqFwdCuda);
         handlers["attnaux_small_seq_bwd"] = attnaux::HandlerCapsule(AttnauxSmallSeqBwdCuda);
+        handlers["attnaux_probs_softmax_fwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxFwdCuda);
+        handlers["attnaux_probs_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxBwdCuda);
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "

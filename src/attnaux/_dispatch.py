@@ -10,6 +10,7 @@ from ._canon import Problem
 from ._flash import FWD_TARGET
 from ._probs import SMALL_SEQ_MAX_KV_SEQ
 from ._probs import TARGETS as _PROBS_TARGETS
+from ._probs_gpu import FWD_TARGET as _PROBS_GPU_TARGET
 
 BACKENDS = ("auto", "flash", "probs", "small_seq", "reference")
 
@@ -19,6 +20,22 @@ for any length when `return_probs=True`). DESIGN.md proposed 512; measured side 
 2-core CPU (`benchmarks/probs_small_seq.py`), `probs` was 0.79x / 0.51x of `flash`'s speed
 (forward / forward+backward) at 4x256x8x64 and 0.89x / 0.60x at 4x512x8x64, so by default `auto`
 uses `probs` only when the probabilities are asked for. Raise it where `probs` measures faster."""
+
+
+GPU_AUTO_SMALL_SEQ = False
+"""Whether `backend="auto"` picks `small_seq` on GPU when the shapes fit (it always does on CPU).
+
+Measured on an H200 (`python benchmarks/gpu_kernels.py`, batch 30720, 8 heads, head dim 128,
+kv_seq 16, bf16): the CUDA kernel's forward takes 0.628 ms (83% of the device copy bandwidth)
+against 0.545 ms for the reference path, whose fused XLA reductions stream K and V at 96% of
+copy; forward+backward it is 1.14x faster (1.83 vs 2.08 ms) and 6x faster than cuDNN. `auto`
+cannot tell inference from training, so it leaves `small_seq` to explicit requests on GPU."""
+GPU_SMALL_SEQ_MEASURED = (
+    "on GPU its forward measures slower than the reference path (0.87x on an H200 at batch "
+    "30720, 8 heads, head dim 128, kv_seq 16, bf16), though forward+backward is 1.14x faster: "
+    "ask for backend='small_seq' when training"
+)
+"""Why, in `explain`'s words: the measured comparison on GPU (`benchmarks/gpu_kernels.py`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +99,24 @@ def _flash_unavailable(problem: Problem, platform: str, return_probs: bool) -> s
     return _compiled_unavailable(problem, platform, FWD_TARGET)
 
 
+def _probs_unavailable(problem: Problem, platform: str) -> str | None:
+    # On GPU: XLA's GEMMs around attnaux's CUDA softmax kernels (_probs_gpu.py).
+    target = _PROBS_GPU_TARGET if platform == "gpu" else _PROBS_TARGETS["probs"][0]
+    return _compiled_unavailable(problem, platform, target)
+
+
+def _implementation(backend: str, platform: str) -> str:
+    if backend == "reference":
+        return "pure JAX (XLA)"
+    if platform != "gpu":
+        return f"C++ (XLA FFI, {platform})"
+    return {
+        "flash": "cuDNN fused attention (XLA FFI, gpu)",
+        "probs": "XLA GEMMs (cuBLAS) around attnaux's CUDA softmax kernels (XLA FFI, gpu)",
+        "small_seq": "attnaux's CUDA kernels (XLA FFI, gpu)",
+    }[backend]
+
+
 def _small_seq_unavailable(problem: Problem, platform: str) -> str | None:
     q_seq, kv_seq = problem.arrays.q.shape[1], problem.arrays.k.shape[1]
     if q_seq != 1 or kv_seq > SMALL_SEQ_MAX_KV_SEQ:
@@ -96,15 +131,15 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
     """Picks the backend for a validated call; raises if an explicit request cannot be served.
 
     `auto` prefers, in order: `small_seq` whenever the static shapes fit (q_seq == 1 and
-    kv_seq <= 16; CPU only, see below); `probs` when `return_probs=True` (or kv_seq <=
-    `AUTO_PROBS_MAX_KV_SEQ`, 0 by default); `flash`; and `reference` when no compiled backend can
-    serve the call.
+    kv_seq <= 16; on GPU when `GPU_AUTO_SMALL_SEQ`); `probs` when `return_probs=True` (or kv_seq
+    <= `AUTO_PROBS_MAX_KV_SEQ`, 0 by default); `flash`; on GPU `probs` when cuDNN cannot serve
+    the call; and `reference` when no compiled backend can serve the call.
     """
     backend = check_backend(backend)
     platform = _platform()
     kv_seq = problem.arrays.k.shape[1]
     flash_no = _flash_unavailable(problem, platform, return_probs)
-    probs_no = _compiled_unavailable(problem, platform, _PROBS_TARGETS["probs"][0])
+    probs_no = _probs_unavailable(problem, platform)
     small_no = _small_seq_unavailable(problem, platform)
     reasons = {
         "flash": flash_no or "serves every option here; O(seq) memory",
@@ -115,17 +150,17 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
         "reference": "pure JAX; materialises the q_seq x kv_seq scores",
     }
 
-    # On GPU the small_seq CUDA kernel is correct but measured slower than the reference path
-    # (benchmarks/gpu_kernels.py), so auto does not pick it there; asking for it still works.
     small_auto_no = small_no
-    if small_no is None and platform == "gpu":
-        small_auto_no = "on GPU it measures slower than the reference path in this version"
+    if small_no is None and platform == "gpu" and not GPU_AUTO_SMALL_SEQ:
+        small_auto_no = GPU_SMALL_SEQ_MEASURED
         reasons["small_seq"] += f"; not picked by auto: {small_auto_no}"
 
     if backend == "auto":
         if small_auto_no is None:
             chosen = "small_seq"
             reasons["small_seq"] += "; chosen whenever the static shapes fit"
+            if platform == "gpu":
+                reasons["small_seq"] += f" ({GPU_SMALL_SEQ_MEASURED})"
             for other, other_no in (("flash", flash_no), ("probs", probs_no)):
                 if other_no is None:
                     reasons[other] += "; not chosen: small_seq serves this shape"
@@ -141,11 +176,23 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
         elif flash_no is None:
             chosen = "flash"
             if probs_no is None:
+                faster = ("measures faster (on GPU except on tiny calls, where per-call overhead "
+                          "dominates; docs/performance.md)" if platform == "gpu"
+                          else "measures faster")
                 reasons["probs"] += (
-                    "; not chosen: flash measures faster and needs O(seq) memory; auto uses "
+                    f"; not chosen: flash {faster} and needs O(seq) memory; auto uses "
                     f"probs when return_probs=True (or kv_seq <= AUTO_PROBS_MAX_KV_SEQ = "
                     f"{AUTO_PROBS_MAX_KV_SEQ})"
                 )
+        elif probs_no is None and platform == "gpu":
+            # cuDNN cannot serve the call (float32, a boolean mask, ...): on GPU the probs
+            # backend (cuBLAS GEMMs + one fused CUDA softmax) is faster than the reference path,
+            # which runs float32 GEMMs and several elementwise passes over the scores.
+            chosen = "probs"
+            reasons["probs"] += (
+                "; chosen because flash (cuDNN) cannot serve this call and probs measures "
+                "faster than reference on GPU"
+            )
         else:
             chosen = "reference"
             reasons["reference"] += "; chosen because no compiled backend can serve this call"
@@ -154,9 +201,5 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
         why_not = {"flash": flash_no, "probs": probs_no, "small_seq": small_no}.get(chosen)
         if why_not is not None:
             raise ValueError(f"backend={chosen!r} cannot serve this call: {why_not}.")
-    implementation = (
-        "pure JAX (XLA)" if chosen == "reference" else f"C++ (XLA FFI, {platform})"
-    )
-    if chosen == "flash" and platform == "gpu":
-        implementation = "cuDNN fused attention (XLA FFI, gpu)"
+    implementation = _implementation(chosen, platform)
     return Explanation(chosen, implementation, platform, reasons)

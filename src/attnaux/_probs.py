@@ -5,6 +5,8 @@ forward returns `out, lse, max` and the probabilities `P` (`[B, Hq, Sq, Skv]`, b
 the input dtype), and the backward reads `P` instead of recomputing it. `probs` serves any shape
 (its kernels work on blocks of query rows against every key they see); `small_seq` is specialised
 for one query row against at most `SMALL_SEQ_MAX_KV_SEQ` keys and very large batches.
+On GPU, `small_seq` runs attnaux's CUDA kernels through the same targets, and `probs` runs
+XLA's GEMMs around attnaux's CUDA softmax kernels (`_probs_gpu.py`).
 
 - Without differentiation and without `return_probs`, the forward does not write `P` at all (its
   output is an empty `(0,)` array), so inference pays nothing for the backend's residual.
@@ -77,20 +79,15 @@ def _probs_fwd(kind: str, options: Options, return_probs: bool, *args):
     return (out, lse, row_max, primal_probs), (args, out, lse, probs)
 
 
-def _is_zero(ct) -> bool:
+def is_symbolic_zero(ct) -> bool:
+    """Whether a cotangent is absent (a symbolic zero under `symbolic_zeros=True`)."""
     return ct is None or isinstance(ct, SymbolicZero)
 
 
-def _probs_bwd(kind: str, options: Options, return_probs: bool, residuals, cotangents):
-    args, out, lse, probs = residuals
-    dout, dlse, _, dprobs = cotangents  # the row max carries no gradient
-    dout = jnp.zeros_like(out) if _is_zero(dout) else dout.astype(out.dtype)
-    dlse = jnp.zeros_like(lse) if _is_zero(dlse) else dlse.astype(jnp.float32)
-    if not return_probs or _is_zero(dprobs):
-        dprobs = jnp.zeros((0,), probs.dtype)
-    else:
-        dprobs = dprobs.astype(probs.dtype)
-    dq, dk, dv, dbias_full = _backward_call(kind, options)(*args, dout, probs, dlse, dprobs)
+def parameter_gradients(args, out, lse, probs, dout, dlse, dprobs, dbias_full):
+    """`(dbias, dsink)` of a probability-saving backward: the kernel's full float32 dbias summed
+    down to the bias's broadcast shape, and the sink's gradient from per-row terms. Either is
+    None when that input is absent."""
     bias, sink = args[3], args[9]
     dbias = None
     if _present(bias):  # summed down to the bias's broadcast shape, in a fixed order
@@ -112,6 +109,20 @@ def _probs_bwd(kind: str, options: Options, return_probs: bool, residuals, cotan
             )
         terms = jnp.exp(sink[None, :, None] - lse) * row_term  # [B, Hq, Sq]
         dsink = -fixed_order_sum(fixed_order_sum(terms, 2), 0).reshape(sink.shape)
+    return dbias, dsink
+
+
+def _probs_bwd(kind: str, options: Options, return_probs: bool, residuals, cotangents):
+    args, out, lse, probs = residuals
+    dout, dlse, _, dprobs = cotangents  # the row max carries no gradient
+    dout = jnp.zeros_like(out) if is_symbolic_zero(dout) else dout.astype(out.dtype)
+    dlse = jnp.zeros_like(lse) if is_symbolic_zero(dlse) else dlse.astype(jnp.float32)
+    if not return_probs or is_symbolic_zero(dprobs):
+        dprobs = jnp.zeros((0,), probs.dtype)
+    else:
+        dprobs = dprobs.astype(probs.dtype)
+    dq, dk, dv, dbias_full = _backward_call(kind, options)(*args, dout, probs, dlse, dprobs)
+    dbias, dsink = parameter_gradients(args, out, lse, probs, dout, dlse, dprobs, dbias_full)
     return (dq, dk, dv, dbias) + (None,) * 5 + (dsink, None)
 
 
@@ -130,6 +141,10 @@ def probs_attention(
     """
     if kind not in TARGETS:
         raise ValueError(f"kind must be one of {sorted(TARGETS)}; got {kind!r}.")
+    if kind == "probs" and jax.default_backend() == "gpu":  # XLA GEMMs + CUDA softmax kernels
+        from ._probs_gpu import probs_attention_gpu
+
+        return probs_attention_gpu(arrays, options, return_probs=return_probs)
     out, lse, row_max, probs = _probs_attention(kind, options, bool(return_probs),
                                                 *kernel_args(arrays, options))
     return out, lse, row_max, (probs if return_probs else None)
