@@ -2,28 +2,34 @@
 // kSmallMaxKeys keys, for very large batches (decoder cross-attention). Same ABI and semantics as
 // the `probs` primitive (docs/kernel_abi.md): it writes P and its backward reads P.
 //
-// The kernel is memory-bound by construction (per query row a handful of dot products and
-// axpys over the head dim), so it is organised around how it streams memory:
-// - a task owns a run of batch elements, and all the work of one batch element (every head) is
-//   done together, in passes that walk its K and V blocks ([Skv, Hkv, D], contiguous) in memory
-//   order, key by key and head by head. Each block is read exactly once per pass, as one linear
-//   stream that the hardware prefetcher follows; software prefetches start the next block (V
-//   while K is read, the next batch element's K while V is read);
-// - forward: logits of every (head, key) (pass over K), the softmax of each head's <= 16 logits as
-//   one vector, then out = sum_j (P * drop)_j v_j accumulated in an L1-resident row per head
-//   (pass over V);
-// - backward: dP = dout . v (pass over V), dS from the saved P, then one pass over K that writes
-//   each (key, kv head) row of dk and dv once, straight into the outputs, in memory order, and
-//   accumulates dq in L1. Nothing is zero-filled and then accumulated in memory.
-// Float32 inputs with whole-vector head dims are read in place; other dtypes are converted
-// per batch element into an L1/L2-resident float32 copy. Outputs of one batch element are owned
-// by one task and summed in a fixed order: results do not depend on the number of threads.
+// Per query row the work is a handful of dot products and axpys over the head dim, so the
+// kernel is bound by memory traffic, and by the load ports of the core when the data is cached.
+// It is organised for both:
+// - a task owns a run of batch elements and does all the work of one batch element (every head)
+//   together. The K and V blocks of the next batch element ([Skv, Hkv, D], contiguous) are
+//   prefetched while the current one computes, so the memory system streams ahead of the core;
+// - per query head, the dot products with all its keys keep the head's query vector loaded once
+//   per chunk and one accumulator per key in registers, and their horizontal sums are one
+//   transposing reduction that yields the row's logits as a vector; the softmax of <= 16 logits
+//   is one vector; out = sum_j (P * drop)_j v_j is accumulated in registers over the visible
+//   keys and stored once, straight into the output;
+// - backward: dP = dout . v per head the same way, dS from the saved P, dq = sum_j dR_j k_j per
+//   head in registers, and each (key, kv head) row of dk and dv = sums over the group's heads,
+//   written once, in memory order, straight into the outputs (nothing is zero-filled and then
+//   accumulated in memory).
+// Float32 inputs with whole-vector head dims are read in place; other dtypes are converted per
+// batch element into a small float32 copy. Outputs of one batch element are owned by one task and
+// summed in a fixed order: results do not depend on the number of threads.
 #ifndef ATTNAUX_CSRC_SMALL_SEQ_CPU_H_
 #define ATTNAUX_CSRC_SMALL_SEQ_CPU_H_
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "attention_cpu.h"
 #include "cpu_parallel.h"
@@ -36,9 +42,7 @@ inline constexpr int64_t kSmallMaxKeys = 16;
 // Logits of one row: kSmallMaxKeys floats, padded to whole vectors (one vector with AVX-512).
 inline constexpr int64_t kSmallKeyPad = kSmallMaxKeys < kLanes ? kLanes : kSmallMaxKeys;
 // Batch elements per task: enough work to amortise scheduling, small enough to balance threads.
-inline constexpr int64_t kSmallBatchPerTask = 16;
-// Dot products computed side by side (independent FMA chains hide the FMA latency).
-inline constexpr int kSmallPairs = 4;
+inline constexpr int64_t kSmallBatchPerTask = 64;
 
 static_assert(kSmallMaxKeys <= 32, "visibility is a 32-bit set per row");
 
@@ -73,82 +77,192 @@ struct OutRowsF32 {
   int64_t n;
   float* scratch;
   float* Row(int64_t r) const { return direct ? static_cast<float*>(base) + r * n : scratch; }
+  // Whether rows are the output itself (stored non-temporally), not the scratch row.
+  bool stream() const { return direct; }
   void Commit(int64_t r) const {
     if (!direct) FromFloat(elem, base, r * n, n, scratch);
   }
 };
 
-inline void PrefetchSpan(const void* data, int64_t bytes) {
-  const char* c = static_cast<const char*>(data);
-  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 3);
-}
+// Streams the next batch element's blocks into the cache while the current one computes: a few
+// spans of bytes, walked a fixed number of cache lines per Step so that the prefetches are spread
+// over the work (a burst would overflow the core's miss buffers and be dropped).
+#ifndef ATTNAUX_SMALL_PF_STRIDE
+#define ATTNAUX_SMALL_PF_STRIDE 64
+#endif
+class Prefetcher {
+ public:
+  void Add(const void* data, int64_t bytes) {
+    if (n_ < kMaxSpans && data != nullptr && bytes > 0) {
+      const char* c = static_cast<const char*>(data);
+      spans_[n_++] = {c, c + bytes};
+      lines_ += CeilDiv(bytes, kStride);
+    }
+  }
+  // Spreads the lines evenly over `steps` calls of Step().
+  void Plan(int64_t steps) {
+    per_step_ = n_ == 0 ? 0 : CeilDiv(lines_, std::max<int64_t>(steps, 1)) * kStride;
+  }
+  void Step() {
+    int64_t budget = per_step_;
+    while (budget > 0 && span_ < n_) {
+      Span& s = spans_[span_];
+      const char* end = std::min(s.end, s.next + budget);
+      budget -= end - s.next;
+      for (const char* c = s.next; c < end; c += kStride) __builtin_prefetch(c, 0, 3);
+      s.next = end;
+      if (end >= s.end) ++span_;
+    }
+  }
+
+ private:
+  static constexpr int kMaxSpans = 6;
+  static constexpr int64_t kStride = ATTNAUX_SMALL_PF_STRIDE;
+  struct Span {
+    const char* next;
+    const char* end;
+  };
+  Span spans_[kMaxSpans];
+  int n_ = 0, span_ = 0;
+  int64_t lines_ = 0, per_step_ = 0;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Vector pieces
 // ---------------------------------------------------------------------------------------------
 
-// out[t] = <a[t], b[t]> over dp floats (a whole number of vectors) for N pairs side by side.
-template <int N>
-inline __attribute__((always_inline)) void DotPairs(const float* const* a, const float* const* b,
-                                                    int64_t dp, float* out) {
-  VecF acc[N];
-  for (int t = 0; t < N; ++t) acc[t] = VecF{};
-  for (int64_t x = 0; x < dp; x += kLanes) {
-    for (int t = 0; t < N; ++t) acc[t] += Load(a[t] + x) * Load(b[t] + x);
-  }
-  for (int t = 0; t < N; ++t) out[t] = HSum(acc[t]);
+#if defined(__AVX512F__)
+// Sums of lanes of several vectors at once, by a transposing reduction: four levels of
+// shuffle + add turn 16 accumulators into the vector of their 16 sums (45 instructions instead
+// of 16 separate horizontal sums). Fixed order, so results depend only on the shapes.
+inline __m512 SumPairs(__m512 a, __m512 b) {  // per 128-bit group: a0+a2, b0+b2, a1+a3, b1+b3
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
-
-// dots[h * kSmallKeyPad + j] = <rows_a(h), rows_b(j, h / group)> for every head h and key j in
-// [lo, hi): one pass over rows_b in memory order (key-major, then kv head). `prefetch(j)` is
-// called before key j's rows are read.
-template <typename Prefetch>
-inline void HeadKeyDots(const RowsF32& a, const RowsF32& b, int64_t heads, int64_t kv_heads,
-                        int64_t group, int64_t lo, int64_t hi, int64_t dp, float* dots,
-                        const Prefetch& prefetch) {
-  const float* pa[kSmallPairs];
-  const float* pb[kSmallPairs];
-  float d[kSmallPairs];
-  for (int64_t j = lo; j < hi; ++j) {
-    prefetch(j);
-    const int64_t key_row = (j - lo) * kv_heads;
-    int64_t h = 0;
-    for (; h + kSmallPairs <= heads; h += kSmallPairs) {
-      for (int t = 0; t < kSmallPairs; ++t) {
-        pa[t] = a.Row(h + t);
-        pb[t] = b.Row(key_row + (h + t) / group);
-      }
-      DotPairs<kSmallPairs>(pa, pb, dp, d);
-      for (int t = 0; t < kSmallPairs; ++t) dots[(h + t) * kSmallKeyPad + j] = d[t];
-    }
-    for (; h < heads; ++h) {
-      pa[0] = a.Row(h);
-      pb[0] = b.Row(key_row + h / group);
-      DotPairs<1>(pa, pb, dp, d);
-      dots[h * kSmallKeyPad + j] = d[0];
-    }
-  }
+inline __m512 SumQuads(__m512 a, __m512 b) {  // per 128-bit group: the 4 sums of 4 vectors
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
-
-// acc[0..dp) += w * row[0..dp).
-inline __attribute__((always_inline)) void AxpyRow(float w, const float* row, int64_t dp,
-                                                   float* acc) {
-  const VecF wv = Splat(w);
-  for (int64_t x = 0; x < dp; x += kLanes) Store(acc + x, Load(acc + x) + wv * Load(row + x));
+inline __m512 SumGroups(__m512 a, __m512 b) {  // adjacent 128-bit groups of a, then of b
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+// Lane t of the result = the sum of the lanes of acc[t], t < 16.
+inline VecF TransposeSum16(const VecF* acc) {
+  __m512 l1[8], l2[4];
+  for (int i = 0; i < 8; ++i) l1[i] = SumPairs((__m512)acc[2 * i], (__m512)acc[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) l2[i] = SumQuads(l1[2 * i], l1[2 * i + 1]);
+  return (VecF)SumGroups(SumGroups(l2[0], l2[1]), SumGroups(l2[2], l2[3]));
+}
+#endif
 
-// dst[0..dp) = sum_t w[t] * rows[t][0..dp) over the n rows (zeros when n == 0), in order of t.
-inline void WeightedSum(int64_t n, const float* w, const float* const* rows, int64_t dp,
-                        float* dst) {
-  if (n == 1) {  // the common case without GQA
-    const VecF w0 = Splat(w[0]);
-    for (int64_t x = 0; x < dp; x += kLanes) Store(dst + x, w0 * Load(rows[0] + x));
+// out[t] = the sum of the lanes of acc[t], t < NK.
+template <int NK>
+inline __attribute__((always_inline)) void SumLanes(const VecF* acc, float* out) {
+#if defined(__AVX512F__)
+  if constexpr (NK >= 8) {
+    VecF all[16];
+    for (int t = 0; t < 16; ++t) all[t] = acc[t % NK];
+    alignas(64) float sums[16];
+    Store(sums, TransposeSum16(all));
+    for (int t = 0; t < NK; ++t) out[t] = sums[t];
     return;
   }
+#endif
+  for (int t = 0; t < NK; ++t) out[t] = HSum(acc[t]);
+}
+
+// out[t] = <a, rows[t]> over dp floats (whole vectors) for t < NK: a is loaded once per vector
+// and shared by the NK accumulators.
+template <int NK>
+inline void DotRows(const float* a, const float* const* rows, int64_t dp, float* out) {
+  VecF acc[NK];
+  for (int t = 0; t < NK; ++t) acc[t] = VecF{};
   for (int64_t x = 0; x < dp; x += kLanes) {
-    VecF acc = VecF{};
-    for (int64_t t = 0; t < n; ++t) acc += Splat(w[t]) * Load(rows[t] + x);
-    Store(dst + x, acc);
+    const VecF av = Load(a + x);
+    for (int t = 0; t < NK; ++t) acc[t] += av * Load(rows[t] + x);
+  }
+  SumLanes<NK>(acc, out);
+}
+
+// out[t] = <a, rows[t]> for t < n <= kSmallMaxKeys. The rows array (kSmallMaxKeys entries) is
+// padded with `zero_row` up to the next power of two, which fixes the summation order by n.
+inline void DotRowsAny(const float* a, const float** rows, int64_t n, int64_t dp,
+                       const float* zero_row, float* out) {
+  float sums[kSmallMaxKeys];
+  const int64_t nk = n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : n <= 8 ? 8 : 16;
+  for (int64_t t = n; t < nk; ++t) rows[t] = zero_row;
+  switch (nk) {
+    case 1: DotRows<1>(a, rows, dp, sums); break;
+    case 2: DotRows<2>(a, rows, dp, sums); break;
+    case 4: DotRows<4>(a, rows, dp, sums); break;
+    case 8: DotRows<8>(a, rows, dp, sums); break;
+    default: DotRows<16>(a, rows, dp, sums); break;
+  }
+  std::copy(sums, sums + n, out);
+}
+static_assert(kSmallMaxKeys <= 16, "DotRowsAny handles at most 16 keys");
+
+// Stores a vector that is not read again soon, bypassing the caches where the ISA allows (p
+// aligned to the vector size). Output rows are written once: the non-temporal store saves the
+// read-for-ownership of the line and keeps the prefetched inputs in the cache. A task ends with
+// StreamFence, so its outputs are visible before it reports done.
+inline void StoreStream(float* p, VecF v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+  _mm256_stream_ps(p, (__m256)v);
+#else
+  Store(p, v);
+#endif
+}
+
+inline void StreamFence() {
+#if defined(__AVX__) || defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
+inline bool StreamAligned(const float* p) {
+  return reinterpret_cast<uintptr_t>(p) % (kLanes * sizeof(float)) == 0;
+}
+
+// dst[x0 .. x0 + NV vectors) = sum_t w[t] * rows[t][same], accumulated in registers.
+template <int NV>
+inline __attribute__((always_inline)) void WeightedBlock(int64_t n, const float* w,
+                                                         const float* const* rows, int64_t x0,
+                                                         float* dst, bool stream) {
+  VecF acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = VecF{};
+  for (int64_t t = 0; t < n; ++t) {
+    const VecF wv = Splat(w[t]);
+    const float* r = rows[t] + x0;
+    for (int v = 0; v < NV; ++v) acc[v] += wv * Load(r + v * kLanes);
+  }
+  if (stream) {
+    for (int v = 0; v < NV; ++v) StoreStream(dst + x0 + v * kLanes, acc[v]);
+  } else {
+    for (int v = 0; v < NV; ++v) Store(dst + x0 + v * kLanes, acc[v]);
+  }
+}
+
+// dst[0..dp) = sum_t w[t] * rows[t][0..dp) over the n rows (zeros when n == 0), in order of t;
+// with `stream`, stored non-temporally (when dst is aligned).
+inline void WeightedSum(int64_t n, const float* w, const float* const* rows, int64_t dp,
+                        float* dst, bool stream = false) {
+  stream = stream && StreamAligned(dst);
+  const int64_t nv = dp / kLanes;
+  int64_t v0 = 0;
+  for (; v0 + 8 <= nv; v0 += 8) WeightedBlock<8>(n, w, rows, v0 * kLanes, dst, stream);
+  switch (nv - v0) {
+    case 7: WeightedBlock<7>(n, w, rows, v0 * kLanes, dst, stream); break;
+    case 6: WeightedBlock<6>(n, w, rows, v0 * kLanes, dst, stream); break;
+    case 5: WeightedBlock<5>(n, w, rows, v0 * kLanes, dst, stream); break;
+    case 4: WeightedBlock<4>(n, w, rows, v0 * kLanes, dst, stream); break;
+    case 3: WeightedBlock<3>(n, w, rows, v0 * kLanes, dst, stream); break;
+    case 2: WeightedBlock<2>(n, w, rows, v0 * kLanes, dst, stream); break;
+    case 1: WeightedBlock<1>(n, w, rows, v0 * kLanes, dst, stream); break;
+    default: break;
   }
 }
 
@@ -163,37 +277,60 @@ inline auto BitsLanes(uint32_t bits, int64_t t) {
 // One batch element
 // ---------------------------------------------------------------------------------------------
 
-// Scratch of one task, reused for each of its batch elements (float32, L1/L2-sized).
+// Scratch of one task, reused for each of its batch elements (float32, L1-sized).
 struct SmallScratch {
   bool direct;
-  int64_t dp, dvp, acc_pitch;
+  int64_t dp, dvp;
   FloatBuffer logits;   // [Hq][kSmallKeyPad]: logits, then P (forward) / dP, then dR (backward)
   FloatBuffer weights;  // [Hq][kSmallKeyPad]: P * drop
-  FloatBuffer acc;      // [Hq][acc_pitch]: out (forward) / raw logits, then dq (backward)
+  FloatBuffer raw;      // [Hq][kSmallKeyPad]: raw logits (backward with a softcap)
+  FloatBuffer zero;     // [max(dp, dvp)] zeros: the row that pads DotRowsAny's rows
   FloatBuffer q, dout;  // [Hq][dp], [Hq][dvp]: converted rows (not direct only)
   FloatBuffer k, v;     // [Skv * Hkv][dp], [Skv * Hkv][dvp]: converted rows (not direct only)
   FloatBuffer row;      // one output row (not direct only)
-  std::vector<uint32_t> visible;  // [Hq]: keys of each head's row that are visible / P != 0
-  std::vector<float> group_coef;  // [group]
-  std::vector<const float*> group_rows;
+  std::vector<uint32_t> keys;  // [Hq]: keys of each head's row that enter its sums, as bit sets
+  std::vector<float> coef;     // [max(group, kSmallMaxKeys)]: weights of a WeightedSum
+  std::vector<const float*> rows;
 
   SmallScratch(const FlashParams& p, bool backward)
       : direct(p.elem == Elem::kF32 && p.head_dim % kLanes == 0 && p.v_dim % kLanes == 0),
         dp(RoundUp(p.head_dim, kLanes)),
         dvp(RoundUp(p.v_dim, kLanes)),
-        acc_pitch(std::max({dp, dvp, kSmallKeyPad})),
         logits(p.q_heads * kSmallKeyPad),
         weights(p.q_heads * kSmallKeyPad),
-        acc(p.q_heads * acc_pitch),
+        raw(backward && p.softcap > 0.0f ? p.q_heads * kSmallKeyPad : 1),
+        zero(std::max(dp, dvp)),
         q(direct ? 1 : p.q_heads * dp),
         dout(direct || !backward ? 1 : p.q_heads * dvp),
         k(direct ? 1 : p.kv_len * p.kv_heads * dp),
         v(direct ? 1 : p.kv_len * p.kv_heads * dvp),
         row(direct ? 1 : std::max(dp, dvp)),
-        visible(p.q_heads),
-        group_coef(p.group()),
-        group_rows(p.group()) {}
+        keys(p.q_heads),
+        coef(std::max(p.group(), kSmallMaxKeys)),
+        rows(std::max(p.group(), kSmallMaxKeys)) {
+    std::fill(zero.get(), zero.get() + std::max(dp, dvp), 0.0f);
+  }
 };
+
+// The rows of one block's keys [lo, hi) for kv head kv, into rows[0 .. hi - lo).
+inline void KeyRows(const RowsF32& block, int64_t kv_heads, int64_t kv, int64_t n,
+                    const float** rows) {
+  for (int64_t t = 0; t < n; ++t) rows[t] = block.Row(t * kv_heads + kv);
+}
+
+// dots[h * kSmallKeyPad + j] = <a_h, block(j, h / group)> for every head h and key j in [lo, hi).
+// One prefetch step per head.
+inline void HeadKeyDots(const RowsF32& a, const RowsF32& block, const FlashParams& p, int64_t lo,
+                        int64_t hi, int64_t width, SmallScratch& sc, float* dots,
+                        Prefetcher& prefetch) {
+  const int64_t group = p.group();
+  for (int64_t h = 0; h < p.q_heads; ++h) {
+    prefetch.Step();
+    KeyRows(block, p.kv_heads, h / group, hi - lo, sc.rows.data());
+    DotRowsAny(a.Row(h), sc.rows.data(), hi - lo, width, sc.zero.get(),
+               dots + h * kSmallKeyPad + lo);
+  }
+}
 
 // Keys [lo, hi) that row 0 of batch element b may see by position (the same for every head).
 inline void SmallKeyRange(const HeadRows& hr, int64_t* lo, int64_t* hi) {
@@ -262,6 +399,13 @@ inline void SmallForwardPadding(const FlashParams& p, const ProbsForwardOutputs&
   FillZero(p.elem, o.out, b * p.q_heads * p.v_dim, p.q_heads * p.v_dim);
 }
 
+// Batch element b's block of a [B, rows, width] array of `size`-byte elements.
+struct Block {
+  const char* base;
+  Block(const void* data, int64_t b, int64_t rows, int64_t width, int64_t size)
+      : base(static_cast<const char*>(data) + b * rows * width * size) {}
+};
+
 inline void SmallForwardBatch(const FlashParams& p, const ProbsForwardOutputs& o, int64_t b,
                               bool prefetch_next, SmallScratch& sc) {
   const int64_t hq = p.q_heads, hkv = p.kv_heads, group = p.group(), skv = p.kv_len;
@@ -273,26 +417,31 @@ inline void SmallForwardBatch(const FlashParams& p, const ProbsForwardOutputs& o
     SmallForwardPadding(p, o, b);
     return;
   }
+  // The next batch element's q, K, V (and output rows) stream in while this one computes.
   const int64_t size = p.elem == Elem::kF32 ? 4 : 2;
-  const int64_t k_key_bytes = hkv * p.head_dim * size, v_key_bytes = hkv * p.v_dim * size;
-  const char* k_bytes = static_cast<const char*>(p.k) + (b * skv) * k_key_bytes;
-  const char* v_bytes = static_cast<const char*>(p.v) + (b * skv) * v_key_bytes;
+  Prefetcher prefetch;
+  if (prefetch_next) {
+    prefetch.Add(Block(p.q, b + 1, hq, p.head_dim, size).base, hq * p.head_dim * size);
+    prefetch.Add(Block(p.k, b + 1, skv * hkv, p.head_dim, size).base, skv * hkv * p.head_dim * size);
+    prefetch.Add(Block(p.v, b + 1, skv * hkv, p.v_dim, size).base, skv * hkv * p.v_dim * size);
+    prefetch.Plan(3 * hq);
+  }
   const RowsF32 q = ViewRows(p.elem, sc.direct, p.q, b * hq, hq, p.head_dim, dp, sc.q.get());
   const RowsF32 k = ViewRows(p.elem, sc.direct, p.k, (b * skv + lo) * hkv, (hi - lo) * hkv,
                              p.head_dim, dp, sc.k.get());
-  // Logits of every (head, key), one pass over K; V streams in meanwhile.
+  // Logits of every (head, key).
   float* s = sc.logits.get();
   std::fill(s, s + hq * kSmallKeyPad, 0.0f);
-  HeadKeyDots(q, k, hq, hkv, group, lo, hi, dp, s,
-              [&](int64_t j) { PrefetchSpan(v_bytes + j * v_key_bytes, v_key_bytes); });
+  HeadKeyDots(q, k, p, lo, hi, dp, sc, s, prefetch);
   // Softmax per head; P out; weights P * drop.
   float* w = sc.weights.get();
   for (int64_t h = 0; h < hq; ++h) {
+    prefetch.Step();
     const HeadRows hr(p, b, h);
     const int64_t row = b * hq + h;
-    sc.visible[h] = SmallVisible(hr, lo, hi);
+    sc.keys[h] = SmallVisible(hr, lo, hi);
     float* sr = s + h * kSmallKeyPad;
-    o.lse[row] = SmallSoftmax(hr, sc.visible[h], lo, hi, sr, &o.max[row]);
+    o.lse[row] = SmallSoftmax(hr, sc.keys[h], lo, hi, sr, &o.max[row]);
     if (o.probs != nullptr) FromFloat(p.elem, o.probs, row * skv, skv, sr);
     float drop[kSmallKeyPad];
     SmallDropRow(hr, lo, hi, drop);
@@ -300,26 +449,20 @@ inline void SmallForwardBatch(const FlashParams& p, const ProbsForwardOutputs& o
       Store(w + h * kSmallKeyPad + t, Load(sr + t) * Load(drop + t));
     }
   }
-  // out = sum_j w_j v_j, one pass over V; the next batch element's K streams in meanwhile.
+  // out = sum over visible keys of w_j v_j, per head, straight into the output row.
   const RowsF32 v = ViewRows(p.elem, sc.direct, p.v, (b * skv + lo) * hkv, (hi - lo) * hkv,
                              p.v_dim, dvp, sc.v.get());
-  const int64_t acc_pitch = sc.acc_pitch;
-  float* acc = sc.acc.get();
-  for (int64_t h = 0; h < hq; ++h) std::fill(acc + h * acc_pitch, acc + h * acc_pitch + dvp, 0.0f);
-  const char* k_next = k_bytes + skv * k_key_bytes;
-  for (int64_t j = lo; j < hi; ++j) {
-    if (prefetch_next) PrefetchSpan(k_next + j * k_key_bytes, k_key_bytes);
-    const int64_t key_row = (j - lo) * hkv;
-    for (int64_t h = 0; h < hq; ++h) {
-      if (sc.visible[h] >> j & 1u) {
-        AxpyRow(w[h * kSmallKeyPad + j], v.Row(key_row + h / group), dvp, acc + h * acc_pitch);
-      }
-    }
-  }
   const OutRowsF32 out{p.elem, sc.direct, o.out, p.v_dim, sc.row.get()};
   for (int64_t h = 0; h < hq; ++h) {
-    float* dst = out.Row(b * hq + h);
-    std::copy(acc + h * acc_pitch, acc + h * acc_pitch + dvp, dst);
+    prefetch.Step();
+    int64_t n = 0;
+    for (int64_t j = lo; j < hi; ++j) {
+      if (sc.keys[h] >> j & 1u) {
+        sc.coef[n] = w[h * kSmallKeyPad + j];
+        sc.rows[n++] = v.Row((j - lo) * hkv + h / group);
+      }
+    }
+    WeightedSum(n, sc.coef.data(), sc.rows.data(), dvp, out.Row(b * hq + h), out.stream());
     out.Commit(b * hq + h);
   }
 }
@@ -384,82 +527,82 @@ inline void SmallBackwardBatch(const FlashParams& p, const ProbsBackwardInputs& 
     SmallBackwardPadding(p, o, b);
     return;
   }
+  // The next batch element's inputs (and output rows) stream in while this one computes.
   const int64_t size = p.elem == Elem::kF32 ? 4 : 2;
-  const int64_t k_key_bytes = hkv * d * size, v_key_bytes = hkv * dv * size;
-  const char* k_bytes = static_cast<const char*>(p.k) + (b * skv) * k_key_bytes;
-  const RowsF32 dout =
-      ViewRows(p.elem, sc.direct, in.dout, b * hq, hq, dv, dvp, sc.dout.get());
+  Prefetcher prefetch;
+  if (prefetch_next) {
+    prefetch.Add(Block(in.dout, b + 1, hq, dv, size).base, hq * dv * size);
+    prefetch.Add(Block(in.probs, b + 1, hq, skv, size).base, hq * skv * size);
+    prefetch.Add(Block(p.v, b + 1, skv * hkv, dv, size).base, skv * hkv * dv * size);
+    prefetch.Add(Block(p.q, b + 1, hq, d, size).base, hq * d * size);
+    prefetch.Add(Block(p.k, b + 1, skv * hkv, d, size).base, skv * hkv * d * size);
+    prefetch.Plan(3 * hq + skv);
+  }
+  const RowsF32 dout = ViewRows(p.elem, sc.direct, in.dout, b * hq, hq, dv, dvp, sc.dout.get());
   const RowsF32 v =
       ViewRows(p.elem, sc.direct, p.v, (b * skv + lo) * hkv, (hi - lo) * hkv, dv, dvp, sc.v.get());
-  // dP of every (head, key), one pass over V; K streams in meanwhile.
-  float* dpr = sc.logits.get();
-  std::fill(dpr, dpr + hq * kSmallKeyPad, 0.0f);
-  HeadKeyDots(dout, v, hq, hkv, group, lo, hi, dvp, dpr,
-              [&](int64_t j) { PrefetchSpan(k_bytes + j * k_key_bytes, k_key_bytes); });
   const RowsF32 q = ViewRows(p.elem, sc.direct, p.q, b * hq, hq, d, dp, sc.q.get());
   const RowsF32 k =
       ViewRows(p.elem, sc.direct, p.k, (b * skv + lo) * hkv, (hi - lo) * hkv, d, dp, sc.k.get());
-  // With a softcap, the raw logits (for the tanh derivative), in the accumulator scratch.
+  // dP of every (head, key).
+  float* dpr = sc.logits.get();
+  std::fill(dpr, dpr + hq * kSmallKeyPad, 0.0f);
+  HeadKeyDots(dout, v, p, lo, hi, dvp, sc, dpr, prefetch);
+  // With a softcap, the raw logits (for the tanh derivative), computed as in the forward.
   float* raw = nullptr;
-  if (p.softcap > 0.0f) {  // [Hq][kSmallKeyPad] fits in the dq accumulators, needed only later
-    raw = sc.acc.get();
+  if (p.softcap > 0.0f) {
+    raw = sc.raw.get();
     std::fill(raw, raw + hq * kSmallKeyPad, 0.0f);
-    HeadKeyDots(q, k, hq, hkv, group, lo, hi, dp, raw, [](int64_t) {});
+    Prefetcher none;
+    HeadKeyDots(q, k, p, lo, hi, dp, sc, raw, none);
   }
   float* w = sc.weights.get();
   float prob[kSmallKeyPad];
   for (int64_t h = 0; h < hq; ++h) {
+    prefetch.Step();
     const HeadRows hr(p, b, h);
     std::fill(prob, prob + kSmallKeyPad, 0.0f);
     ToFloat(p.elem, in.probs, (b * hq + h) * skv, skv, prob);
-    sc.visible[h] =
+    sc.keys[h] =
         SmallBackwardRow(hr, in, o, lo, hi, prob, raw != nullptr ? raw + h * kSmallKeyPad : nullptr,
                          dpr + h * kSmallKeyPad, w + h * kSmallKeyPad);
   }
-  // One pass over K: each (key, kv head) row of dk and dv written once, in memory order; dq
-  // accumulated in L1.
-  float* dq = sc.acc.get();
-  for (int64_t h = 0; h < hq; ++h) std::fill(dq + h * sc.acc_pitch, dq + h * sc.acc_pitch + dp, 0.0f);
+  // dq = scale * sum_j dR_j k_j over the keys with P != 0, per head, straight into the output.
+  const OutRowsF32 dq_out{p.elem, sc.direct, o.dq, d, sc.row.get()};
+  for (int64_t h = 0; h < hq; ++h) {
+    prefetch.Step();
+    int64_t n = 0;
+    for (int64_t j = lo; j < hi; ++j) {
+      if (sc.keys[h] >> j & 1u) {
+        sc.coef[n] = p.scale * dpr[h * kSmallKeyPad + j];
+        sc.rows[n++] = k.Row((j - lo) * hkv + h / group);
+      }
+    }
+    WeightedSum(n, sc.coef.data(), sc.rows.data(), dp, dq_out.Row(b * hq + h), dq_out.stream());
+    dq_out.Commit(b * hq + h);
+  }
+  // dk_j = scale * sum_g dR_gj q_g and dv_j = sum_g (P * drop)_gj dout_g over the group's heads g:
+  // each (key, kv head) row written once, in memory order (zeros for keys no row sees).
   const OutRowsF32 dk_out{p.elem, sc.direct, o.dk, d, sc.row.get()};
   const OutRowsF32 dv_out{p.elem, sc.direct, o.dv, dv, sc.row.get()};
-  const char* v_next = static_cast<const char*>(p.v) + ((b + 1) * skv) * v_key_bytes;
-  float* coef = sc.group_coef.data();
-  const float** rows = sc.group_rows.data();
   for (int64_t j = 0; j < skv; ++j) {
-    if (prefetch_next) PrefetchSpan(v_next + j * v_key_bytes, v_key_bytes);
-    const bool seen = j >= lo && j < hi;
+    prefetch.Step();
+    const int64_t n = j >= lo && j < hi ? group : 0;
     for (int64_t kh = 0; kh < hkv; ++kh) {
       const int64_t token = (b * skv + j) * hkv + kh;
-      const int64_t n = seen ? group : 0;  // a key no row sees gets zero gradients
-      // dk_j = scale * sum_g dR_gj q_g; dq_g += dR_gj k_j (only where P != 0).
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t h = kh * group + t;
-        const float dr = dpr[h * kSmallKeyPad + j];
-        coef[t] = p.scale * dr;
-        rows[t] = q.Row(h);
-        if (sc.visible[h] >> j & 1u) {
-          AxpyRow(dr, k.Row((j - lo) * hkv + kh), dp, dq + h * sc.acc_pitch);
-        }
+      for (int64_t g = 0; g < n; ++g) {
+        sc.coef[g] = p.scale * dpr[(kh * group + g) * kSmallKeyPad + j];
+        sc.rows[g] = q.Row(kh * group + g);
       }
-      WeightedSum(n, coef, rows, dp, dk_out.Row(token));
+      WeightedSum(n, sc.coef.data(), sc.rows.data(), dp, dk_out.Row(token), dk_out.stream());
       dk_out.Commit(token);
-      // dv_j = sum_g (P * drop)_gj dout_g.
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t h = kh * group + t;
-        coef[t] = w[h * kSmallKeyPad + j];
-        rows[t] = dout.Row(h);
+      for (int64_t g = 0; g < n; ++g) {
+        sc.coef[g] = w[(kh * group + g) * kSmallKeyPad + j];
+        sc.rows[g] = dout.Row(kh * group + g);
       }
-      WeightedSum(n, coef, rows, dvp, dv_out.Row(token));
+      WeightedSum(n, sc.coef.data(), sc.rows.data(), dvp, dv_out.Row(token), dv_out.stream());
       dv_out.Commit(token);
     }
-  }
-  const OutRowsF32 dq_out{p.elem, sc.direct, o.dq, d, sc.row.get()};
-  const VecF scale = Splat(p.scale);
-  for (int64_t h = 0; h < hq; ++h) {
-    float* dst = dq_out.Row(b * hq + h);
-    const float* src = dq + h * sc.acc_pitch;
-    for (int64_t x = 0; x < dp; x += kLanes) Store(dst + x, Load(src + x) * scale);
-    dq_out.Commit(b * hq + h);
   }
 }
 
@@ -476,6 +619,7 @@ inline void SmallSeqForward(const FlashParams& p, const ProbsForwardOutputs& o,
     for (int64_t b = task * kSmallBatchPerTask; b < b_end; ++b) {
       SmallForwardBatch(p, o, b, b + 1 < b_end, sc);
     }
+    StreamFence();
   });
 }
 
@@ -499,6 +643,7 @@ inline void SmallSeqBackward(const FlashParams& p, const ProbsBackwardInputs& in
     for (int64_t b = task * kSmallBatchPerTask; b < b_end; ++b) {
       SmallBackwardBatch(p, in, o, b, b + 1 < b_end, sc);
     }
+    StreamFence();
   });
 }
 
