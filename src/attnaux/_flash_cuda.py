@@ -21,11 +21,13 @@ static configuration and cache it. What cuDNN does not give directly is done her
   regenerates the same mask. That mask is not attnaux's documented CPU mask;
   `cudnn_dropout_keep_mask` regenerates it through cuDNN's RNG dump output, and
   `attnaux.introspect.dropout_mask` calls it for an aux with `dropout_impl == "cudnn"`.
-- **Softcap, segment ids**: attnaux's own score modifier inside cuDNN's kernel (softcap's tanh and
-  its derivative; a select on `q_segment_ids[i] == kv_segment_ids[j]`). cuDNN takes no built-in
-  mask next to a score modifier, so there the causal, window and padding masks are in the
-  modifier as well (also for a bias or dropout with bottom-right causal masking, which cuDNN's
-  built-in mask does not combine with).
+- **Softcap**: attnaux's own score modifier inside cuDNN's kernel (softcap's tanh forward and
+  its derivative backward). cuDNN takes no built-in mask next to a score modifier, so there the
+  causal, window and padding masks are in the modifier as well (also for a bias or dropout with
+  bottom-right causal masking, which cuDNN's built-in mask does not combine with). Not with a
+  bias: cuDNN's backward then gives a wrong bias gradient (`_SOFTCAP_BIAS_WHY`).
+- **Segment ids** are not served (`SEGMENT_IDS_ON_CUDNN`): the modifier (a select on
+  `q_segment_ids[i] == kv_segment_ids[j]`) is built and exact forward, wrong backward.
 - **Rows with no visible key** (padding rows past `q_seqlens`, windows that see nothing, a query
   whose segment has no key): outputs are set to 0 / -inf here, the backward gets `lse = +inf` for
   them (so cuDNN's recomputed P is 0, never NaN) and zero cotangents, and their gradients are
@@ -39,8 +41,9 @@ it an output buffer of the call instead, sized at trace time (for an XLA whose F
 scratch allocator).
 
 Not served on GPU (`unavailable` says why; `auto` then uses `reference`): float32/float64 inputs,
-boolean `mask`, `return_probs`, head dims that are not multiples of 8 in [8, 256], and any
-configuration cuDNN itself rejects (asked at trace time through `_ext_cuda.check_support`).
+boolean `mask`, segment ids, softcap with a bias, `return_probs`, head dims that are not multiples
+of 8 in [8, 256], and any configuration cuDNN itself rejects (asked at trace time through
+`_ext_cuda.check_support`).
 """
 
 import functools
@@ -63,6 +66,25 @@ DROPOUT_IMPL = "cudnn"  # AttnAux.dropout_impl of calls whose keep-mask cuDNN dr
 _NOT_BUILT = "the CUDA toolkit, cuDNN or cudnn-frontend headers were not found at build time"
 _EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
 _WORKSPACE_MODES = ("scratch", "output")
+
+SEGMENT_IDS_ON_CUDNN = False
+"""Whether segment ids go to cuDNN (attnaux's segment-id score modifier). Off: on cuDNN 9.19
+(H200) the forward through it is exact (out, lse, max and the dropout replay passed), but the fused
+backward applies the modifier's row/column id tensors wrongly (dK off by O(1) in every
+configuration tried), so segment ids run on another backend. Turn on to re-test a newer cuDNN
+with tests/test_gpu_flash.py."""
+_SEGMENT_IDS_WHY = (
+    "the cuDNN path does not serve segment ids: attnaux's segment-id score modifier is exact in "
+    "cuDNN 9.19's fused forward but its fused backward gets dK wrong (measured on an H200; "
+    "attnaux._flash_cuda.SEGMENT_IDS_ON_CUDNN), and cuDNN's own packing (ragged offsets) needs "
+    "one cuDNN batch entry per contiguous segment, a data-dependent count that a static graph "
+    "cannot take"
+)
+_SOFTCAP_BIAS_WHY = (
+    "the cuDNN path does not serve softcap together with a bias: cuDNN 9.19's fused backward "
+    "takes the bias gradient after the softcap derivative (dbias measured wrong on an H200), "
+    "while the bias is added after the softcap"
+)
 
 
 def _workspace_mode() -> str:
@@ -128,8 +150,12 @@ def unavailable(problem: Problem) -> str | None:
     if a.mask is not None:
         return (
             "the cuDNN path does not serve a boolean `mask` (it would be a quadratic bias "
-            "tensor; pass the structure as causal/window/seqlens/segment ids where it has one)"
+            "tensor; pass the structure as causal/window/seqlens where it has one)"
         )
+    if a.q_segment_ids is not None and not SEGMENT_IDS_ON_CUDNN:
+        return _SEGMENT_IDS_WHY
+    if o.softcap > 0 and a.bias is not None:
+        return _SOFTCAP_BIAS_WHY
     _, _, _, qk_dim = a.q.shape
     v_dim = a.v.shape[-1]
     for name, dim in (("qk_dim", qk_dim), ("v_dim", v_dim)):
