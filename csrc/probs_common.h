@@ -1,6 +1,6 @@
 // Pieces shared by the probability-saving kernels (`probs`, `small_seq`): per-row visibility, the
-// dropout factors of a row, horizontal vector reductions, vectorised row conversions and a small
-// register-blocked matrix product with run-time strides. Semantics: docs/kernel_abi.md.
+// dropout factors of a row, horizontal vector reductions, vectorised row conversions,
+// non-temporal stores and a 16 x 16 transpose. Semantics: docs/kernel_abi.md.
 #ifndef ATTNAUX_CSRC_PROBS_COMMON_H_
 #define ATTNAUX_CSRC_PROBS_COMMON_H_
 
@@ -11,7 +11,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -114,6 +114,80 @@ inline void FillZero(Elem elem, void* base, int64_t offset, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Non-temporal stores and transposes
+// ---------------------------------------------------------------------------------------------
+
+// Stores a vector that is not read again soon, bypassing the caches where the ISA allows (p
+// aligned to the vector size). Large outputs written once (out, dq, dk, dv, P) save the
+// read-for-ownership of each line and leave the cache to the inputs. Work that streams ends with
+// StreamFence, so its outputs are visible before it reports done.
+inline void StoreStream(float* p, VecF v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+  _mm256_stream_ps(p, (__m256)v);
+#else
+  std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+inline void StreamFence() {
+#if defined(__AVX__) || defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
+// Prefetches the cache lines of [data, data + bytes).
+inline void PrefetchBytes(const void* data, int64_t bytes) {
+  const char* c = static_cast<const char*>(data);
+  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 3);
+}
+
+inline bool StreamAligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (kLanes * sizeof(float)) == 0;
+}
+
+#if defined(__AVX512F__)
+inline constexpr bool kHasTranspose16 = true;
+// dst[c * ds + r] = src[r * ss + c] for r, c < 16, in registers (four rounds of shuffles); dst
+// rows stored non-temporally when `stream` (then dst must be 64-byte aligned, ds a multiple of 16).
+inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds, bool stream) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit group k: r_i[4k], r_i+1[4k], r_i[4k+1], ...
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + c], group k: rows 4g..4g+3 of column 4k + c
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 u = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 w = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 w2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    t[c] = _mm512_shuffle_f32x4(u, u2, _MM_SHUFFLE(2, 0, 2, 0));       // column c
+    t[8 + c] = _mm512_shuffle_f32x4(u, u2, _MM_SHUFFLE(3, 1, 3, 1));   // column 8 + c
+    t[4 + c] = _mm512_shuffle_f32x4(w, w2, _MM_SHUFFLE(2, 0, 2, 0));   // column 4 + c
+    t[12 + c] = _mm512_shuffle_f32x4(w, w2, _MM_SHUFFLE(3, 1, 3, 1));  // column 12 + c
+  }
+  if (stream) {
+    for (int i = 0; i < 16; ++i) _mm512_stream_ps(dst + i * ds, t[i]);
+  } else {
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ds, t[i]);
+  }
+}
+#else
+inline constexpr bool kHasTranspose16 = false;
+inline void Transpose16(const float*, int64_t, float*, int64_t, bool) {}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // Visibility of one (batch, query head): docs/kernel_abi.md's visible(i, j)
 // ---------------------------------------------------------------------------------------------
 struct HeadRows {
@@ -199,99 +273,6 @@ inline float RowLse(const HeadRows& hr, float m, float sum) {
   }
   if (m == -kInfP || !(sum > 0.0f)) return -kInfP;
   return m + std::log(sum);
-}
-
-// ---------------------------------------------------------------------------------------------
-// C[r, lanes] (+)= sum_{k < depth} A(r, k) * B[k, lanes],  A(r, k) = a[r * ars + k * aks]
-// B rows are ldb floats apart, C rows ldc; width is in whole vectors. Fixed summation order.
-// ---------------------------------------------------------------------------------------------
-#if defined(__AVX512F__)
-inline constexpr int kPMaxNV = 4;
-template <int NV>
-inline constexpr int kPRows = NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 16;
-#else
-inline constexpr int kPMaxNV = 2;
-template <int NV>
-inline constexpr int kPRows = NV == 2 ? 6 : 12;
-#endif
-
-template <int R, int NV>
-inline __attribute__((always_inline)) void PMicro(int64_t depth, const float* __restrict a,
-                                                  int64_t ars, int64_t aks,
-                                                  const float* __restrict b, int64_t ldb,
-                                                  float* __restrict c, int64_t ldc,
-                                                  bool accumulate) {
-  VecF acc[R][NV];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? Load(c + r * ldc + v * kLanes) : VecF{};
-  }
-  const float* arow[R];
-  for (int r = 0; r < R; ++r) arow[r] = a + r * ars;
-  for (int64_t k = 0; k < depth; ++k) {
-    VecF bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = Load(b + k * ldb + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      VecF ar = Splat(arow[r][k * aks]);
-      for (int v = 0; v < NV; ++v) acc[r][v] += ar * bv[v];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NV; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
-  }
-}
-
-template <int R, int NV>
-inline void PMicroTail(int64_t rows, int64_t depth, const float* a, int64_t ars, int64_t aks,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  if constexpr (R > 1) {
-    if (rows < R) {
-      PMicroTail<R - 1, NV>(rows, depth, a, ars, aks, b, ldb, c, ldc, accumulate);
-      return;
-    }
-  }
-  PMicro<R, NV>(depth, a, ars, aks, b, ldb, c, ldc, accumulate);
-}
-
-template <int NV>
-__attribute__((noinline)) void PPanel(int64_t rows, int64_t depth, const float* a, int64_t ars,
-                                      int64_t aks, const float* b, int64_t ldb, float* c,
-                                      int64_t ldc, bool accumulate) {
-  constexpr int R = kPRows<NV>;
-  int64_t i = 0;
-  for (; i + R <= rows; i += R) {
-    PMicro<R, NV>(depth, a + i * ars, ars, aks, b, ldb, c + i * ldc, ldc, accumulate);
-  }
-  if (i < rows) {
-    PMicroTail<R - 1, NV>(rows - i, depth, a + i * ars, ars, aks, b, ldb, c + i * ldc, ldc,
-                          accumulate);
-  }
-}
-
-inline void PGemm(int64_t rows, int64_t depth, const float* a, int64_t ars, int64_t aks,
-                  const float* b, int64_t ldb, int64_t width, float* c, int64_t ldc,
-                  bool accumulate) {
-  if (rows <= 0) return;
-  for (int64_t v0 = 0; v0 < width; v0 += kPMaxNV) {
-    const int64_t nv = std::min<int64_t>(kPMaxNV, width - v0);
-    const float* bp = b + v0 * kLanes;
-    float* cp = c + v0 * kLanes;
-    switch (nv) {
-#if defined(__AVX512F__)
-      case 4:
-        PPanel<4>(rows, depth, a, ars, aks, bp, ldb, cp, ldc, accumulate);
-        break;
-      case 3:
-        PPanel<3>(rows, depth, a, ars, aks, bp, ldb, cp, ldc, accumulate);
-        break;
-#endif
-      case 2:
-        PPanel<2>(rows, depth, a, ars, aks, bp, ldb, cp, ldc, accumulate);
-        break;
-      default:
-        PPanel<1>(rows, depth, a, ars, aks, bp, ldb, cp, ldc, accumulate);
-        break;
-    }
-  }
 }
 
 // Outputs/inputs of the probability-saving primitives (docs/kernel_abi.md, "probs").

@@ -2,19 +2,24 @@
 // (before dropout), and a backward that reads P instead of recomputing it. Semantics:
 // docs/kernel_abi.md (section "The probability-saving primitives").
 //
-// Forward: K^T and V of each (batch, kv head) are packed to float32 once; then one task per
-// (batch, query head, block of kRows query rows). The scores of the block
-// against every key its rows may see are one small matrix product S = Q K^T (keys in the vector
-// lanes), then each row gets its softmax, P = exp(s - lse), is written out, and O = (P * drop) V.
-// Backward, two passes:
-//   A. per (batch, query head, query block): dP = dO V^T, Dt = rowsum(P * dP_total) - dlse,
-//      dS = P * (dP_total - Dt) (dbias = dS), dR = dS * softcap'(r), dQ = scale * dR K; dR is kept
-//      in a float32 [B, Hq, Sq, Skv] scratch;
-//   B. per (batch, kv head, block of kKeys keys): dK = scale * dR^T Q and dV = (P * drop)^T dO
-//      over every query row of the group that sees a key of the block, in a fixed order.
-// Every output element is owned by one task and reduced in a fixed order, so results do not
-// depend on the number of threads. Inputs are read only where visible: rows and keys beyond the
-// valid lengths and keys hidden from every row of a block enter no product.
+// Built from the flash kernels' tiles (attention_cpu.h): a block of kBlockQ query rows lives in
+// the vector lanes, key tiles of kBlockK keys, K/V packed once per (batch, kv head), and the same
+// register-blocked products, masks and dropout counters. What differs:
+// - Forward without P to write (inference): the flash forward itself, which computes exactly
+//   out, lse and max.
+// - Forward with P: per query block, pass 1 computes every visible score tile, keeps
+//   e = exp(s - m_t) (m_t: the running row max when tile t was reached, as in the online
+//   softmax) in an L2-sized [keys x kBlockQ] buffer and finds lse; pass 2 turns each tile into
+//   P = e * exp(m_t - lse) (one multiply per element, no second exponential), writes it to the
+//   row-major output and accumulates O^T += V^T (P * drop)^T, already normalised.
+// - Backward: the flash backward's four products (dP = dO V^T, dV += (P * drop)^T dO,
+//   dK += dS^T Q, dQ += dS K) without its fifth (recomputing S = Q K^T) and the exponentials:
+//   P tiles are read from the saved P. Dt = rowsum(P * dPt) - dlse needs a whole row of dP, so
+//   per query block pass 1 computes and keeps the dP tiles and Dt, pass 2 forms dS and the
+//   three gradient products. A task owns dK/dV of one (batch, kv head) (or a fixed share of its
+//   query blocks, summed in order afterwards, when there are few of them), so every output is
+//   reduced in a fixed order and results do not depend on the number of threads.
+// Inputs are read only where visible, as in the flash kernels.
 #ifndef ATTNAUX_CSRC_PROBS_CPU_H_
 #define ATTNAUX_CSRC_PROBS_CPU_H_
 
@@ -23,207 +28,355 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "cpu_gemm.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
 #include "probs_common.h"
 
 namespace attnaux::cpu::pk {
 
-inline constexpr int64_t kRows = 32;    // query rows per forward / pass-A task
-inline constexpr int64_t kKeys = 64;    // keys per pass-B task
-inline constexpr int64_t kChunk = 128;  // query rows gathered per pass-B product
+// ---------------------------------------------------------------------------------------------
+// Tiles of P (keys x query lanes) <-> rows of a row-major [.., Sq, Skv] array
+// ---------------------------------------------------------------------------------------------
 
-// Keys that the valid rows [i0, i0 + valid) may see by position: [*ja, *ja + *nkp), ja aligned
-// down to a vector, nkp a whole number of vectors (0 when no row sees a key).
-inline void BlockKeys(const HeadRows& hr, int64_t i0, int64_t valid, int64_t* ja, int64_t* jhi,
-                      int64_t* nkp) {
-  *ja = *jhi = *nkp = 0;
-  if (valid <= 0) return;
-  const int64_t lo = hr.Lo(i0), hi = hr.Hi(i0 + valid - 1);
-  if (hi <= lo) return;
-  *ja = lo / kLanes * kLanes;
-  *jhi = hi;
-  *nkp = RoundUp(hi - *ja, kLanes);
-}
-
-// Final logits of row i in place over the lanes [ja, ja + nkp): scale, softcap, bias, and -inf
-// where (i, j) is not visible. Returns the row max over visible keys (-inf when none).
-inline float FinishLogits(const HeadRows& hr, int64_t i, int64_t ja, int64_t nkp, float* s) {
-  const FlashParams& p = *hr.p;
-  const int64_t lo = hr.Lo(i), hi = hr.Hi(i);
-  const VecF scale = Splat(p.scale);
-  if (p.softcap > 0.0f) {
-    const VecF cap = Splat(p.softcap), inv_cap = Splat(1.0f / p.softcap);
-    for (int64_t c = 0; c < nkp; c += kLanes) Store(s + c, cap * Tanh(Load(s + c) * scale * inv_cap));
-  } else {
-    for (int64_t c = 0; c < nkp; c += kLanes) Store(s + c, Load(s + c) * scale);
-  }
-  if (hr.per_element() || hr.bias != nullptr) {
-    for (int64_t j = std::max(lo, ja); j < hi; ++j) {
-      float& x = s[j - ja];
-      if (hr.per_element() && !hr.Extra(i, j)) {
-        x = -kInfP;
-      } else if (hr.bias != nullptr) {
-        x += hr.Bias(i, j);
+// Writes tile rows r < nk (keys j0 + r) of lanes [0, valid) (query rows) into the row-major
+// array `dst` whose row of lane 0 starts at element `row0` (rows `skv` elements apart). Float32
+// goes through 16 x 16 register transposes, stored non-temporally where aligned (P and dbias
+// are large and not read again by this pass).
+inline void StoreTileRows(Elem elem, void* dst, int64_t row0, int64_t skv, int64_t valid,
+                          int64_t j0, int64_t nk, const float* tile) {
+  int64_t lanes16 = 0, keys16 = 0;
+  if (kHasTranspose16 && elem == Elem::kF32) {
+    float* base = static_cast<float*>(dst) + row0 + j0;
+    const bool stream = StreamAligned(base) && skv % 16 == 0;
+    lanes16 = valid / 16 * 16;
+    keys16 = nk / 16 * 16;
+    for (int64_t l0 = 0; l0 < lanes16; l0 += 16) {
+      for (int64_t r0 = 0; r0 < keys16; r0 += 16) {
+        Transpose16(tile + r0 * kBlockQ + l0, kBlockQ, base + l0 * skv + r0, skv, stream);
       }
     }
   }
-  const VecI lanes = LaneIndex();
-  const int32_t first = static_cast<int32_t>(std::clamp<int64_t>(lo - ja, 0, nkp));
-  const int32_t end = static_cast<int32_t>(std::clamp<int64_t>(hi - ja, 0, nkp));
-  VecF m = Splat(-kInfP);
-  for (int64_t c = 0; c < nkp; c += kLanes) {
-    const VecI idx = lanes + static_cast<int32_t>(c);
-    VecF x = (idx >= first) & (idx < end) ? Load(s + c) : Splat(-kInfP);
-    Store(s + c, x);
-    m = Max(m, x);
+  // The rest (other dtypes, ragged edges) one row at a time.
+  alignas(64) float row[kBlockK];
+  for (int64_t lane = 0; lane < valid; ++lane) {
+    const int64_t r_begin = lane < lanes16 ? keys16 : 0;
+    if (r_begin >= nk) continue;
+    for (int64_t r = r_begin; r < nk; ++r) row[r - r_begin] = tile[r * kBlockQ + lane];
+    FromFloat(elem, dst, row0 + lane * skv + j0 + r_begin, nk - r_begin, row);
   }
-  return end > first ? HMax(m) : -kInfP;
 }
 
-// Row softmax from final logits (-inf = invisible): s becomes P = exp(s - lse) (0 where
-// invisible), computed as exp(s - m) * exp(m - lse) with one exponential per element. Returns lse.
-inline float SoftmaxRow(const HeadRows& hr, float m, int64_t nkp, float* s) {
-  const VecF m_use = Splat(m == -kInfP ? 0.0f : m);
-  VecF acc = VecF{};
-  for (int64_t c = 0; c < nkp; c += kLanes) {
-    const VecF e = Exp(Load(s + c) - m_use);
-    Store(s + c, e);
-    acc += e;
+// The transpose of StoreTileRows: tile[r * kBlockQ + lane] = src(row lane, key j0 + r), zero for
+// lanes >= valid.
+inline void LoadTileRows(Elem elem, const void* src, int64_t row0, int64_t skv, int64_t valid,
+                         int64_t j0, int64_t nk, float* tile) {
+  int64_t lanes16 = 0, keys16 = 0;
+  if (kHasTranspose16 && elem == Elem::kF32) {
+    const float* base = static_cast<const float*>(src) + row0 + j0;
+    lanes16 = valid / 16 * 16;
+    keys16 = nk / 16 * 16;
+    for (int64_t l0 = 0; l0 < lanes16; l0 += 16) {
+      for (int64_t r0 = 0; r0 < keys16; r0 += 16) {
+        Transpose16(base + l0 * skv + r0, skv, tile + r0 * kBlockQ + l0, kBlockQ, false);
+      }
+    }
   }
-  const float lse = RowLse(hr, m, HSum(acc));
-  if (lse == -kInfP || m == -kInfP) {
-    std::fill(s, s + nkp, 0.0f);
-  } else {
-    const VecF factor = Splat(std::exp(m - lse));
-    for (int64_t c = 0; c < nkp; c += kLanes) Store(s + c, Load(s + c) * factor);
+  alignas(64) float row[kBlockK];
+  for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+    const int64_t r_begin = lane < lanes16 ? keys16 : 0;
+    if (r_begin >= nk) continue;
+    if (lane < valid) {
+      ToFloat(elem, src, row0 + lane * skv + j0 + r_begin, nk - r_begin, row);
+    } else {
+      std::fill(row, row + nk - r_begin, 0.0f);
+    }
+    for (int64_t r = r_begin; r < nk; ++r) tile[r * kBlockQ + lane] = row[r - r_begin];
   }
-  return lse;
 }
 
-// Writes row i of P (the [B, Hq, Sq, Skv] output): `row` over [ja, ja + nkp), zeros elsewhere.
-inline void WriteProbsRow(const HeadRows& hr, void* probs, int64_t i, int64_t ja, int64_t nkp,
-                          const float* row) {
-  const FlashParams& p = *hr.p;
-  const int64_t base = static_cast<int64_t>(hr.RowBase(i));
-  const int64_t end = std::min(ja + nkp, p.kv_len);
-  FillZero(p.elem, probs, base, std::min(ja, p.kv_len));
-  if (end > ja) FromFloat(p.elem, probs, base + ja, end - ja, row);
-  FillZero(p.elem, probs, base + std::max(end, ja), p.kv_len - std::max(end, ja));
+// Prefetches rows [0, valid) x keys [j0, j0 + nk) of a row-major float32 array (the next tile).
+inline void PrefetchTileRows(const void* src, int64_t row0, int64_t skv, int64_t valid,
+                             int64_t j0, int64_t nk, int64_t size) {
+  const char* base = static_cast<const char*>(src) + (row0 + j0) * size;
+  for (int64_t lane = 0; lane < valid; ++lane) {
+    const char* row = base + lane * skv * size;
+    for (int64_t x = 0; x < nk * size; x += 64) __builtin_prefetch(row + x, 0, 3);
+  }
 }
 
-inline void WriteEmptyRow(const HeadRows& hr, const ProbsForwardOutputs& o, int64_t i) {
-  const FlashParams& p = *hr.p;
-  const int64_t stat = (hr.b * p.q_heads + hr.h) * p.q_len + i;
-  o.lse[stat] = hr.has_sink ? hr.sink : -kInfP;
-  o.max[stat] = -kInfP;
-  FillZero(p.elem, o.out, ((hr.b * p.q_len + i) * p.q_heads + hr.h) * p.v_dim, p.v_dim);
-  if (o.probs != nullptr) FillZero(p.elem, o.probs, static_cast<int64_t>(hr.RowBase(i)), p.kv_len);
+// dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols: whole 16 x 16 blocks in registers,
+// the ragged edges one element at a time.
+inline void TransposeBlock(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst,
+                           int64_t ds) {
+  const int64_t rows16 = kHasTranspose16 ? rows / 16 * 16 : 0;
+  const int64_t cols16 = kHasTranspose16 ? cols / 16 * 16 : 0;
+  for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
+    for (int64_t c0 = 0; c0 < cols16; c0 += 16) {
+      Transpose16(src + r0 * ss + c0, ss, dst + c0 * ds + r0, ds, false);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = r < rows16 ? cols16 : 0; c < cols; ++c) dst[c * ds + r] = src[r * ss + c];
+  }
+}
+
+// Rows r < count of an input whose row r starts at element first + r * stride, as float32 rows
+// `pitch` floats apart: rows < valid converted (zero-padded from n to pitch), the others zero.
+// The rows are scattered (one token's head among all heads): the next ones are prefetched.
+inline void GatherRows(Elem elem, const void* src, int64_t first, int64_t stride, int64_t valid,
+                       int64_t count, int64_t n, float* dst, int64_t pitch) {
+  constexpr int64_t kAhead = 8;
+  const int64_t size = elem == Elem::kF32 ? 4 : 2;
+  const char* bytes = static_cast<const char*>(src);
+  for (int64_t r = 0; r < std::min(kAhead, valid); ++r) {
+    PrefetchBytes(bytes + (first + r * stride) * size, n * size);
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    float* row = dst + r * pitch;
+    if (r < valid) {
+      if (r + kAhead < valid) PrefetchBytes(bytes + (first + (r + kAhead) * stride) * size, n * size);
+      LoadRow(elem, src, first + r * stride, n, row);
+      std::fill(row + n, row + pitch, 0.0f);
+    } else {
+      std::fill(row, row + pitch, 0.0f);
+    }
+  }
+}
+
+// K and V of one (batch, kv head), packed for the products (the layouts of attention_cpu.h's
+// KvPack, float32, zero at or beyond kv_seqlens): forward kt [nkb][D][BK] and v_rows [Skvp][Dv];
+// backward k_rows [Skvp][D], vt [nkb][Dv][BK] and, with a softcap, kt.
+struct ProbsKvLayout {
+  int64_t keys, d, dv;
+  bool forward, kt;
+  ProbsKvLayout(const FlashParams& p, bool fwd)
+      : keys(CeilDiv(p.kv_len, kBlockK) * kBlockK),
+        d(p.head_dim),
+        dv(p.v_dim),
+        forward(fwd),
+        kt(fwd || p.softcap > 0.0f) {}
+  int64_t size() const { return keys * (d + dv) + (!forward && kt ? keys * d : 0); }
+  KvPack At(float* base) const {
+    KvPack pack{};
+    if (forward) {
+      pack.kt = base;
+      pack.v_rows = base + keys * d;
+    } else {
+      pack.k_rows = base;
+      pack.vt = base + keys * d;
+      pack.kt = kt ? base + keys * (d + dv) : nullptr;
+    }
+    return pack;
+  }
+};
+
+inline void PackProbsKv(const FlashParams& p, int64_t b, int64_t hkv, const ProbsKvLayout& l,
+                        float* base) {
+  const int64_t d = p.head_dim, dv = p.v_dim, stride_k = p.kv_heads * d, stride_v = p.kv_heads * dv;
+  const int64_t kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
+  const KvPack pack = l.At(base);
+  FloatBuffer rows(kBlockK * std::max(d, dv));
+  for (int64_t j0 = 0; j0 < l.keys; j0 += kBlockK) {
+    const int64_t valid = std::clamp<int64_t>(kl - j0, 0, kBlockK);
+    const int64_t k_first = ((b * p.kv_len + j0) * p.kv_heads + hkv) * d;
+    const int64_t v_first = ((b * p.kv_len + j0) * p.kv_heads + hkv) * dv;
+    if (l.forward) {
+      GatherRows(p.elem, p.k, k_first, stride_k, valid, kBlockK, d, rows.get(), d);
+      TransposeBlock(rows.get(), d, kBlockK, d, const_cast<float*>(pack.kt) + j0 * d, kBlockK);
+      GatherRows(p.elem, p.v, v_first, stride_v, valid, kBlockK, dv,
+                 const_cast<float*>(pack.v_rows) + j0 * dv, dv);
+    } else {
+      float* k_rows = const_cast<float*>(pack.k_rows) + j0 * d;
+      GatherRows(p.elem, p.k, k_first, stride_k, valid, kBlockK, d, k_rows, d);
+      if (l.kt) TransposeBlock(k_rows, d, kBlockK, d, const_cast<float*>(pack.kt) + j0 * d, kBlockK);
+      GatherRows(p.elem, p.v, v_first, stride_v, valid, kBlockK, dv, rows.get(), dv);
+      TransposeBlock(rows.get(), dv, kBlockK, dv, const_cast<float*>(pack.vt) + j0 * dv, kBlockK);
+    }
+  }
+}
+
+// Zeroes what the tiles of a query block did not write: keys outside [jlo, jhi) of rows
+// [0, valid), and whole rows [valid, rows).
+inline void ZeroOutsideTiles(Elem elem, void* dst, int64_t row0, int64_t skv, int64_t valid,
+                             int64_t rows, int64_t jlo, int64_t jhi) {
+  for (int64_t lane = 0; lane < rows; ++lane) {
+    const int64_t base = row0 + lane * skv;
+    if (lane >= valid || jlo >= jhi) {
+      FillZero(elem, dst, base, skv);
+    } else {
+      FillZero(elem, dst, base, jlo);
+      FillZero(elem, dst, base + jhi, skv - jhi);
+    }
+  }
+}
+
+// Element index of (b, h, i, 0) in a [B, Hq, Sq, Skv] array.
+inline int64_t ProbsRow(const FlashParams& p, int64_t b, int64_t h, int64_t i) {
+  return ((b * p.q_heads + h) * p.q_len + i) * p.kv_len;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------
 
-// K^T and V of one (batch, kv head), float32, packed once and shared by every query block and
-// query head of the group: kt [D][Skvp], v_rows [Skvp][Dvp]; keys at or beyond kv_seqlens (and
-// the padding up to Skvp) are zero, so nothing stored there enters a product.
-struct KvLayout {
-  int64_t skvp, d, dvp;
-  explicit KvLayout(const FlashParams& p)
-      : skvp(RoundUp(p.kv_len, kLanes)), d(p.head_dim), dvp(RoundUp(p.v_dim, kLanes)) {}
-  int64_t size() const { return skvp * (d + dvp); }
+struct ProbsForwardScratch {
+  FloatBuffer scores;     // [Skvp][BQ]: e = exp(s - m_t), then P
+  FloatBuffer tile_m;     // [nkb][BQ]: m_t of every tile
+  FloatBuffer weights;    // [BK][BQ]: P * drop of one tile
+  FloatBuffer drop;       // [BK][BQ]
+  FloatBuffer qt, ot;     // [D][BQ], [Dv][BQ]
+  FloatBuffer rows;       // [BQ][max(D, Dv)]: q rows in, out rows out
+  explicit ProbsForwardScratch(const FlashParams& p)
+      : scores(CeilDiv(p.kv_len, kBlockK) * kBlockK * kBlockQ),
+        tile_m(CeilDiv(p.kv_len, kBlockK) * kBlockQ),
+        weights(p.rng_state != nullptr ? kBlockK * kBlockQ : 1),
+        drop(p.rng_state != nullptr ? kBlockK * kBlockQ : 1),
+        qt(p.head_dim * kBlockQ),
+        ot(p.v_dim * kBlockQ),
+        rows(kBlockQ * std::max(p.head_dim, p.v_dim)) {}
 };
 
-inline void PackKvShared(const FlashParams& p, int64_t b, int64_t hkv, const KvLayout& l,
-                         float* base) {
-  const int64_t d = p.head_dim, dv = p.v_dim;
-  const int64_t kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
-  float* kt = base;
-  float* v_rows = base + l.skvp * d;
-  std::vector<float> row(std::max(d, dv) + 1);
-  for (int64_t j = 0; j < l.skvp; ++j) {
-    float* vr = v_rows + j * l.dvp;
-    if (j < kl) {
-      const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
-      ToFloat(p.elem, p.k, token * d, d, row.data());
-      for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = row[x];
-      ToFloat(p.elem, p.v, token * dv, dv, vr);
-      std::fill(vr + dv, vr + l.dvp, 0.0f);
-    } else {
-      for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = 0.0f;
-      std::fill(vr, vr + l.dvp, 0.0f);
+// lse of each lane from its max m and sum l = sum exp(s - m) (flash's final statistics), and the
+// effective lse that P is computed with: +inf where the row has no visible key or is padding,
+// so that exp(m_t - lse_eff) = 0 there.
+inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, const float* l_row,
+                     float* lse, float* lse_eff) {
+  for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+    const float mx = m_row[lane], sum = l_row[lane];
+    float value = hv.has_sink ? hv.sink : -kInf;
+    bool live = false;
+    if (lane < valid) {
+      if (hv.has_sink) {
+        const float big = std::max(mx, hv.sink);
+        const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
+        value = big + std::log(scaled + std::exp(hv.sink - big));
+        live = mx != -kInf;
+      } else if (mx != -kInf && sum > 0.0f) {
+        value = mx + std::log(sum);
+        live = true;
+      }
     }
+    lse[lane] = value;
+    lse_eff[lane] = live ? value : kInf;
   }
 }
 
-// Rows of (b, hkv) packed per batch chunk, so that scratch stays bounded for huge batches. The
-// chunk depends only on shapes, never on threads.
-inline int64_t PackChunk(int64_t per_batch_floats, int64_t batch) {
-  constexpr int64_t kBudgetFloats = int64_t{1} << 26;  // 256 MiB
-  return std::clamp<int64_t>(kBudgetFloats / std::max<int64_t>(per_batch_floats, 1), 1,
-                             std::max<int64_t>(batch, 1));
-}
-
-inline void ProbsForwardBlock(const FlashParams& p, const ProbsForwardOutputs& o,
-                              const KvLayout& l, const float* kv, int64_t b, int64_t h,
-                              int64_t ib) {
-  const HeadRows hr(p, b, h);
-  const int64_t d = p.head_dim, dv = p.v_dim, dvp = l.dvp;
-  const int64_t i0 = ib * kRows, nrows = std::min(kRows, p.q_len - i0);
-  const int64_t valid = std::clamp<int64_t>(hr.ql - i0, 0, nrows);
-  int64_t ja, jhi, nkp;
-  BlockKeys(hr, i0, valid, &ja, &jhi, &nkp);
-  const int64_t computed = nkp > 0 ? valid : 0;
-  for (int64_t r = computed; r < nrows; ++r) WriteEmptyRow(hr, o, i0 + r);
-  if (computed == 0) return;
-
-  const float* kt = kv;
-  const float* v_rows = kv + l.skvp * d;
-  FloatBuffer qrows(valid * d), s(valid * nkp), orows(valid * dvp), drop(nkp);
-  for (int64_t r = 0; r < valid; ++r) {
-    ToFloat(p.elem, p.q, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d, qrows.get() + r * d);
+inline void ProbsForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b, int64_t h,
+                              int64_t ib, const ProbsForwardOutputs& o, ProbsForwardScratch& sc) {
+  const int64_t d = p.head_dim, dv = p.v_dim, skv = p.kv_len;
+  const HeadView hv(p, b, h);
+  const int64_t i0 = ib * kBlockQ;
+  const int64_t rows_in_block = std::min(kBlockQ, p.q_len - i0);
+  const int64_t valid = std::min(hv.rows.ValidRows(i0), rows_in_block);
+  float* qt = sc.qt.get();
+  GatherRows(p.elem, p.q, ((b * p.q_len + i0) * p.q_heads + h) * d, p.q_heads * d, valid, kBlockQ,
+             d, sc.rows.get(), d);
+  TransposeBlock(sc.rows.get(), d, kBlockQ, d, qt, kBlockQ);
+  // Pass 1: scores, the online max and sum, e = exp(s - m_t) kept per tile.
+  VecF m[kQVectors], l[kQVectors];
+  for (int v = 0; v < kQVectors; ++v) {
+    m[v] = Splat(-kInf);
+    l[v] = VecF{};
   }
-  PGemm(valid, d, qrows.get(), d, 1, kt + ja, l.skvp, nkp / kLanes, s.get(), nkp, false);
-  for (int64_t r = 0; r < valid; ++r) {
-    const int64_t i = i0 + r;
-    float* sr = s.get() + r * nkp;
-    const float m = FinishLogits(hr, i, ja, nkp, sr);
-    const float lse = SoftmaxRow(hr, m, nkp, sr);
-    const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
-    o.lse[stat] = lse;
-    o.max[stat] = m;
-    if (o.probs != nullptr) WriteProbsRow(hr, o.probs, i, ja, nkp, sr);
-    if (hr.dropout() && m != -kInfP) {
-      const int64_t lo = hr.Lo(i), hi = hr.Hi(i);
-      hr.DropRow(i, lo, hi, drop.get());
-      for (int64_t j = lo; j < hi; ++j) sr[j - ja] *= drop.get()[j - lo];
+  const int64_t nkb = CeilDiv(skv, kBlockK);
+  int64_t jlo = skv, jhi = 0;
+  for (int64_t jb = 0; jb < nkb; ++jb) {
+    int64_t j0, j1;
+    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    if (j0 >= j1) continue;
+    jlo = std::min(jlo, j0);
+    jhi = std::max(jhi, j1);
+    const int64_t nk = j1 - j0;
+    float* st = sc.scores.get() + j0 * kBlockQ;
+    ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr);
+    for (int v = 0; v < kQVectors; ++v) {
+      VecF tile_max = Splat(-kInf);
+      for (int64_t r = 0; r < nk; ++r) tile_max = Max(tile_max, Load(st + r * kBlockQ + v * kLanes));
+      const VecF m_new = Max(m[v], tile_max);
+      const VecF m_use = m_new == -kInf ? VecF{} : m_new;  // no visible key yet: exp(-inf) = 0
+      VecF sum = VecF{};
+      for (int64_t r = 0; r < nk; ++r) {
+        float* sp = st + r * kBlockQ + v * kLanes;
+        const VecF e = Exp(Load(sp) - m_use);
+        sum += e;
+        Store(sp, e);
+      }
+      l[v] = l[v] * Exp(m[v] - m_use) + sum;
+      m[v] = m_new;
+      Store(sc.tile_m.get() + jb * kBlockQ + v * kLanes, m_use);
     }
   }
-  PGemm(valid, nkp, s.get(), nkp, 1, v_rows + ja * dvp, dvp, dvp / kLanes, orows.get(), dvp,
-        false);
-  for (int64_t r = 0; r < valid; ++r) {
-    FromFloat(p.elem, o.out, ((b * p.q_len + i0 + r) * p.q_heads + h) * dv, dv,
-              orows.get() + r * dvp);
+  alignas(64) float m_row[kBlockQ], l_row[kBlockQ], lse[kBlockQ], lse_eff[kBlockQ];
+  for (int v = 0; v < kQVectors; ++v) {
+    Store(m_row + v * kLanes, m[v]);
+    Store(l_row + v * kLanes, l[v]);
+  }
+  BlockLse(hv, valid, m_row, l_row, lse, lse_eff);
+  for (int64_t lane = 0; lane < rows_in_block; ++lane) {
+    const int64_t stat = (b * p.q_heads + h) * p.q_len + i0 + lane;
+    o.lse[stat] = lse[lane];
+    o.max[stat] = lane < valid ? m_row[lane] : -kInf;
+  }
+  // Pass 2: P = e * exp(m_t - lse), written out, and O^T += V^T (P * drop)^T.
+  float* ot = sc.ot.get();
+  std::fill(ot, ot + dv * kBlockQ, 0.0f);
+  const int64_t row0 = ProbsRow(p, b, h, i0);
+  for (int64_t jb = 0; jb < nkb; ++jb) {
+    int64_t j0, j1;
+    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    if (j0 >= j1) continue;
+    const int64_t nk = j1 - j0;
+    float* st = sc.scores.get() + j0 * kBlockQ;
+    for (int v = 0; v < kQVectors; ++v) {
+      const VecF factor = Exp(Load(sc.tile_m.get() + jb * kBlockQ + v * kLanes) -
+                              Load(lse_eff + v * kLanes));
+      for (int64_t r = 0; r < nk; ++r) {
+        float* sp = st + r * kBlockQ + v * kLanes;
+        Store(sp, Load(sp) * factor);
+      }
+    }
+    if (o.probs != nullptr) StoreTileRows(p.elem, o.probs, row0, skv, valid, j0, nk, st);
+    const float* w = st;
+    if (hv.dropout()) {
+      float* drop = sc.drop.get();
+      float* wt = sc.weights.get();
+      DropoutTile(hv, i0, valid, j0, j1, drop);
+      for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
+        Store(wt + x, Load(st + x) * Load(drop + x));
+      }
+      w = wt;
+    }
+    GemmLanes<1>(dv, nk, kv.v_rows + j0 * dv, dv, w, kBlockQ, kQVectors, ot, kBlockQ, true);
+  }
+  if (o.probs != nullptr) {
+    ZeroOutsideTiles(p.elem, o.probs, row0, skv, valid, rows_in_block, jlo, jhi);
+  }
+  TransposeBlock(ot, kBlockQ, dv, kBlockQ, sc.rows.get(), dv);
+  for (int64_t lane = 0; lane < rows_in_block; ++lane) {
+    StoreRow(p.elem, o.out, ((b * p.q_len + i0 + lane) * p.q_heads + h) * dv, dv,
+             sc.rows.get() + lane * dv);
   }
 }
 
 inline void ProbsForward(const FlashParams& p, const ProbsForwardOutputs& o,
                          ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_len == 0 || p.q_heads == 0) return;
-  const KvLayout l(p);
-  const int64_t nqb = CeilDiv(p.q_len, kRows);
-  const int64_t chunk = PackChunk(p.kv_heads * l.size(), p.batch);
-  FloatBuffer packed(chunk * p.kv_heads * l.size());
+  const ProbsKvLayout layout(p, /*fwd=*/true);
+  const int64_t chunk = BatchChunk(p.kv_heads * layout.size(), p.batch);
+  FloatBuffer packed(chunk * p.kv_heads * layout.size());
+  const int64_t nqb = CeilDiv(p.q_len, kBlockQ);
   for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
     const int64_t nb = std::min(chunk, p.batch - b0);
     ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
-      PackKvShared(p, b0 + t / p.kv_heads, t % p.kv_heads, l, packed.get() + t * l.size());
+      PackProbsKv(p, b0 + t / p.kv_heads, t % p.kv_heads, layout, packed.get() + t * layout.size());
     });
     ParallelFor(pool, nb * p.q_heads * nqb, [&](int64_t t) {
-      const int64_t bl = t / (p.q_heads * nqb), h = (t / nqb) % p.q_heads;
-      const float* kv = packed.get() + (bl * p.kv_heads + h / p.group()) * l.size();
-      ProbsForwardBlock(p, o, l, kv, b0 + bl, h, t % nqb);
+      const int64_t ib = t % nqb, h = (t / nqb) % p.q_heads, bl = t / (nqb * p.q_heads);
+      ProbsForwardScratch sc(p);
+      const KvPack kv = layout.At(packed.get() + (bl * p.kv_heads + h / p.group()) * layout.size());
+      ProbsForwardBlock(p, kv, b0 + bl, h, ib, o, sc);
+      StreamFence();
     });
   }
 }
@@ -232,239 +385,211 @@ inline void ProbsForward(const FlashParams& p, const ProbsForwardOutputs& o,
 // Backward
 // ---------------------------------------------------------------------------------------------
 
-// Reads row i of P (or of its cotangent) over [ja, ja + nkp) into dst (zero beyond Skv).
-inline void ReadProbsRow(const HeadRows& hr, const void* src, int64_t i, int64_t ja, int64_t nkp,
-                         float* dst) {
-  const FlashParams& p = *hr.p;
-  const int64_t n = std::clamp<int64_t>(p.kv_len - ja, 0, nkp);
-  ToFloat(p.elem, src, static_cast<int64_t>(hr.RowBase(i)) + ja, n, dst);
-  std::fill(dst + n, dst + nkp, 0.0f);
-}
-
-// K rows, V^T and (with a softcap) K^T of one (batch, kv head) for the backward, float32,
-// packed once and shared by the query blocks and heads of the group: k_rows [Skvp][Dp],
-// vt [Dv][Skvp], kt [D][Skvp]; zero at or beyond kv_seqlens.
-struct KvBwdLayout {
-  int64_t skvp, d, dp, dv;
-  bool softcap;
-  explicit KvBwdLayout(const FlashParams& p)
-      : skvp(RoundUp(p.kv_len, kLanes)),
-        d(p.head_dim),
-        dp(RoundUp(p.head_dim, kLanes)),
-        dv(p.v_dim),
-        softcap(p.softcap > 0.0f) {}
-  int64_t size() const { return skvp * (dp + dv + (softcap ? d : 0)); }
+struct ProbsBackwardScratch {
+  int64_t dp, dvp;
+  FloatBuffer probs;    // [Skvp][BQ]: P tiles of the query block
+  FloatBuffer dprobs;   // [Skvp][BQ]: dPt = dP * drop + G, then dS, then dR
+  FloatBuffer drop;     // [Skvp][BQ] (dropout only)
+  FloatBuffer tile;     // [BK][BQ]: G, scores (softcap) or P * drop of one tile
+  FloatBuffer tanh;     // [BK][BQ] (softcap only)
+  FloatBuffer qt;       // [D][BQ] (softcap only)
+  FloatBuffer q_rows;   // [BQ][Dp]
+  FloatBuffer dot;      // [Dv][BQ]: dO^T
+  FloatBuffer do_rows;  // [BQ][Dvp]
+  FloatBuffer dqt;      // [D][BQ]
+  explicit ProbsBackwardScratch(const FlashParams& p)
+      : dp(RoundUpLanes(p.head_dim)),
+        dvp(RoundUpLanes(p.v_dim)),
+        probs(CeilDiv(p.kv_len, kBlockK) * kBlockK * kBlockQ),
+        dprobs(CeilDiv(p.kv_len, kBlockK) * kBlockK * kBlockQ),
+        drop(p.rng_state != nullptr ? CeilDiv(p.kv_len, kBlockK) * kBlockK * kBlockQ : 1),
+        tile(kBlockK * kBlockQ),
+        tanh(p.softcap > 0.0f ? kBlockK * kBlockQ : 1),
+        qt(p.softcap > 0.0f ? p.head_dim * kBlockQ : 1),
+        q_rows(kBlockQ * dp),
+        dot(p.v_dim * kBlockQ),
+        do_rows(kBlockQ * dvp),
+        dqt(p.head_dim * kBlockQ) {}
 };
 
-inline void PackKvBwd(const FlashParams& p, int64_t b, int64_t hkv, const KvBwdLayout& l,
-                      float* base) {
+// Packs the query side of one query block (zero beyond the valid rows): q rows, dO rows, dO^T,
+// and with a softcap Q^T.
+inline void PackQueryBlock(const FlashParams& p, const ProbsBackwardInputs& in, int64_t b,
+                           int64_t h, int64_t i0, int64_t valid, ProbsBackwardScratch& sc) {
   const int64_t d = p.head_dim, dv = p.v_dim;
-  const int64_t kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
-  float* k_rows = base;
-  float* vt = base + l.skvp * l.dp;
-  float* kt = vt + l.skvp * dv;
-  std::vector<float> row(std::max(d, dv) + 1);
-  for (int64_t j = 0; j < l.skvp; ++j) {
-    float* kr = k_rows + j * l.dp;
-    if (j < kl) {
-      const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
-      ToFloat(p.elem, p.k, token * d, d, kr);
-      std::fill(kr + d, kr + l.dp, 0.0f);
-      if (l.softcap) {
-        for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = kr[x];
-      }
-      ToFloat(p.elem, p.v, token * dv, dv, row.data());
-      for (int64_t x = 0; x < dv; ++x) vt[x * l.skvp + j] = row[x];
-    } else {
-      std::fill(kr, kr + l.dp, 0.0f);
-      if (l.softcap) {
-        for (int64_t x = 0; x < d; ++x) kt[x * l.skvp + j] = 0.0f;
-      }
-      for (int64_t x = 0; x < dv; ++x) vt[x * l.skvp + j] = 0.0f;
-    }
-  }
+  const int64_t token = (b * p.q_len + i0) * p.q_heads + h;
+  GatherRows(p.elem, p.q, token * d, p.q_heads * d, valid, kBlockQ, d, sc.q_rows.get(), sc.dp);
+  GatherRows(p.elem, in.dout, token * dv, p.q_heads * dv, valid, kBlockQ, dv, sc.do_rows.get(),
+             sc.dvp);
+  TransposeBlock(sc.do_rows.get(), sc.dvp, kBlockQ, dv, sc.dot.get(), kBlockQ);
+  if (p.softcap > 0.0f) TransposeBlock(sc.q_rows.get(), sc.dp, kBlockQ, d, sc.qt.get(), kBlockQ);
 }
 
-// Pass A for (b, h, query block ib): dR rows into dr_all ([B, Hq, Sq, Skv] float32), dbias rows,
-// dq rows.
-inline void ProbsBackwardRows(const FlashParams& p, const ProbsBackwardInputs& in,
-                              const BackwardOutputs& o, const KvBwdLayout& l, const float* kv,
-                              float* dr_all, int64_t b, int64_t h, int64_t ib) {
-  const HeadRows hr(p, b, h);
-  const int64_t d = p.head_dim, dv = p.v_dim, dp = l.dp, skv = p.kv_len;
-  const int64_t i0 = ib * kRows, nrows = std::min(kRows, p.q_len - i0);
-  const int64_t valid = std::clamp<int64_t>(hr.ql - i0, 0, nrows);
-  int64_t ja, jhi, nkp;
-  BlockKeys(hr, i0, valid, &ja, &jhi, &nkp);
-  const int64_t computed = nkp > 0 ? valid : 0;
-  for (int64_t r = computed; r < nrows; ++r) {
-    const int64_t i = i0 + r;
-    const int64_t row = static_cast<int64_t>(hr.RowBase(i));
-    std::fill(dr_all + row, dr_all + row + skv, 0.0f);
-    if (o.dbias != nullptr) std::fill(o.dbias + row, o.dbias + row + skv, 0.0f);
-    FillZero(p.elem, o.dq, ((b * p.q_len + i) * p.q_heads + h) * d, d);
-  }
-  if (computed == 0) return;
-
-  const float* k_rows = kv;
-  const float* vt = kv + l.skvp * dp;
-  const float* kt = vt + l.skvp * dv;
-  FloatBuffer pr(valid * nkp), dpr(valid * nkp), g(nkp), dorows(valid * dv), dq(valid * dp),
-      drop(nkp);
-  FloatBuffer qrows(l.softcap ? valid * d : 0), st(l.softcap ? valid * nkp : 0);
-  for (int64_t r = 0; r < valid; ++r) {
-    const int64_t i = i0 + r;
-    ReadProbsRow(hr, in.probs, i, ja, nkp, pr.get() + r * nkp);
-    ToFloat(p.elem, in.dout, ((b * p.q_len + i) * p.q_heads + h) * dv, dv,
-            dorows.get() + r * dv);
-  }
-  // dP = dO V^T over the keys [ja, ja + nkp) (zero beyond kv_seqlens).
-  PGemm(valid, dv, dorows.get(), dv, 1, vt + ja, l.skvp, nkp / kLanes, dpr.get(), nkp, false);
-  if (l.softcap) {
-    for (int64_t r = 0; r < valid; ++r) {
-      ToFloat(p.elem, p.q, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d,
-              qrows.get() + r * d);
-    }
-    PGemm(valid, d, qrows.get(), d, 1, kt + ja, l.skvp, nkp / kLanes, st.get(), nkp, false);
-  }
+// One query block of query head h: dq rows and dbias rows written, dK/dV of the block's keys
+// accumulated into dk_acc [Skvp][Dp] / dv_acc [Skvp][Dvp].
+inline void ProbsBackwardBlock(const FlashParams& p, const ProbsBackwardInputs& in,
+                               const BackwardOutputs& o, const KvPack& kv, int64_t b, int64_t h,
+                               int64_t ib, float* dk_acc, float* dv_acc,
+                               ProbsBackwardScratch& sc) {
+  const int64_t d = p.head_dim, dv = p.v_dim, skv = p.kv_len, dp = sc.dp, dvp = sc.dvp;
+  const HeadView hv(p, b, h);
+  const int64_t i0 = ib * kBlockQ;
+  const int64_t rows_in_block = std::min(kBlockQ, p.q_len - i0);
+  const int64_t valid = std::min(hv.rows.ValidRows(i0), rows_in_block);
+  const int64_t row0 = ProbsRow(p, b, h, i0);
+  const int64_t elem_size = p.elem == Elem::kF32 ? 4 : 2;
+  PackQueryBlock(p, in, b, h, i0, valid, sc);
   const VecF zero = VecF{};
-  const VecF scale = Splat(p.scale), inv_cap = Splat(l.softcap ? 1.0f / p.softcap : 0.0f);
-  for (int64_t r = 0; r < valid; ++r) {
-    const int64_t i = i0 + r;
-    const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
-    float* prow = pr.get() + r * nkp;
-    float* dprow = dpr.get() + r * nkp;  // becomes dR
-    if (hr.dropout()) {
-      const int64_t j1 = std::min(ja + nkp, skv);
-      hr.DropRow(i, ja, j1, drop.get());
-      std::fill(drop.get() + (j1 - ja), drop.get() + nkp, 0.0f);
+  // Pass 1: P tiles, dPt = dP * drop + G (where P != 0), and Dt = rowsum(P * dPt) - dlse.
+  const int64_t nkb = CeilDiv(skv, kBlockK);
+  VecF dt[kQVectors];
+  for (int v = 0; v < kQVectors; ++v) dt[v] = VecF{};
+  int64_t jlo = skv, jhi = 0;
+  for (int64_t jb = 0; jb < nkb; ++jb) {
+    int64_t j0, j1;
+    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    if (j0 >= j1) continue;
+    jlo = std::min(jlo, j0);
+    jhi = std::max(jhi, j1);
+    const int64_t nk = j1 - j0, key_offset = j0 - jb * kBlockK;
+    float* pt = sc.probs.get() + j0 * kBlockQ;
+    float* dpt = sc.dprobs.get() + j0 * kBlockQ;
+    if (jb + 1 < nkb) {  // P rows are 4 * Skv bytes apart: too sparse for the hardware prefetcher
+      int64_t n0, n1;
+      TileKeys(hv.rows, i0, valid, jb + 1, &n0, &n1);
+      if (n0 < n1) PrefetchTileRows(in.probs, row0, skv, valid, n0, n1 - n0, elem_size);
     }
-    if (in.dprobs != nullptr) ReadProbsRow(hr, in.dprobs, i, ja, nkp, g.get());
-    // dP_total = drop * dP + G, selected where P != 0; Dt = rowsum(P * dP_total) - dlse.
-    VecF acc = VecF{};
-    for (int64_t c = 0; c < nkp; c += kLanes) {
-      const VecF pv = Load(prow + c);
-      VecF t = Load(dprow + c);
-      if (hr.dropout()) t *= Load(drop.get() + c);
-      if (in.dprobs != nullptr) t += Load(g.get() + c);
-      t = pv != zero ? t : zero;
-      Store(dprow + c, t);
-      acc += pv * t;
+    LoadTileRows(p.elem, in.probs, row0, skv, valid, j0, nk, pt);
+    GemmLanes<1>(nk, dv, kv.vt + jb * kBlockK * dv + key_offset, kBlockK, sc.dot.get(), kBlockQ,
+                 kQVectors, dpt, kBlockQ, false);
+    float* drop = hv.dropout() ? sc.drop.get() + j0 * kBlockQ : nullptr;
+    if (drop != nullptr) DropoutTile(hv, i0, valid, j0, j1, drop);
+    float* g = nullptr;
+    if (in.dprobs != nullptr) {
+      g = sc.tile.get();
+      LoadTileRows(p.elem, in.dprobs, row0, skv, valid, j0, nk, g);
     }
-    const VecF dtv = Splat(HSum(acc) - in.dlse[stat]);
-    for (int64_t c = 0; c < nkp; c += kLanes) {
-      const VecF pv = Load(prow + c);
-      Store(dprow + c, pv != zero ? pv * (Load(dprow + c) - dtv) : zero);
-    }
-    const int64_t row = static_cast<int64_t>(hr.RowBase(i));
-    const int64_t n = std::clamp<int64_t>(skv - ja, 0, nkp);
-    if (o.dbias != nullptr) {
-      std::fill(o.dbias + row, o.dbias + row + ja, 0.0f);
-      std::copy(dprow, dprow + n, o.dbias + row + ja);
-      std::fill(o.dbias + row + ja + n, o.dbias + row + skv, 0.0f);
-    }
-    if (l.softcap) {
-      const float* srow = st.get() + r * nkp;
-      for (int64_t c = 0; c < nkp; c += kLanes) {
-        const VecF t = Tanh(Load(srow + c) * scale * inv_cap);
-        const VecF pv = Load(prow + c);
-        Store(dprow + c, pv != zero ? Load(dprow + c) * (1.0f - t * t) : zero);
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int v = 0; v < kQVectors; ++v) {
+        const int64_t x = r * kBlockQ + v * kLanes;
+        const VecF pv = Load(pt + x);
+        VecF t = Load(dpt + x);
+        if (drop != nullptr) t *= Load(drop + x);
+        if (g != nullptr) t += Load(g + x);
+        t = pv != zero ? t : zero;
+        Store(dpt + x, t);
+        dt[v] += pv * t;
       }
     }
-    std::fill(dr_all + row, dr_all + row + ja, 0.0f);
-    std::copy(dprow, dprow + n, dr_all + row + ja);
-    std::fill(dr_all + row + ja + n, dr_all + row + skv, 0.0f);
   }
-  // dQ = dR K.
-  PGemm(valid, nkp, dpr.get(), nkp, 1, k_rows + ja * dp, dp, dp / kLanes, dq.get(), dp, false);
-  for (int64_t r = 0; r < valid; ++r) {
-    float* qrow = dq.get() + r * dp;
-    for (int64_t x = 0; x < d; ++x) qrow[x] *= p.scale;
-    FromFloat(p.elem, o.dq, ((b * p.q_len + i0 + r) * p.q_heads + h) * d, d, qrow);
+  alignas(64) float dlse[kBlockQ] = {};
+  for (int64_t lane = 0; lane < valid; ++lane) {
+    dlse[lane] = in.dlse[(b * p.q_heads + h) * p.q_len + i0 + lane];
   }
+  for (int v = 0; v < kQVectors; ++v) dt[v] -= Load(dlse + v * kLanes);
+  // Pass 2: dS = P * (dPt - Dt) (= dbias), dR (softcap), and the three gradient products.
+  float* dqt = sc.dqt.get();
+  std::fill(dqt, dqt + d * kBlockQ, 0.0f);
+  for (int64_t jb = 0; jb < nkb; ++jb) {
+    int64_t j0, j1;
+    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    if (j0 >= j1) continue;
+    const int64_t nk = j1 - j0, n = nk * kBlockQ;
+    const float* pt = sc.probs.get() + j0 * kBlockQ;
+    float* ds = sc.dprobs.get() + j0 * kBlockQ;
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int v = 0; v < kQVectors; ++v) {
+        const int64_t x = r * kBlockQ + v * kLanes;
+        const VecF pv = Load(pt + x);
+        Store(ds + x, pv != zero ? pv * (Load(ds + x) - dt[v]) : zero);
+      }
+    }
+    if (o.dbias != nullptr) StoreTileRows(Elem::kF32, o.dbias, row0, skv, valid, j0, nk, ds);
+    if (p.softcap > 0.0f) {
+      float* th = sc.tanh.get();
+      ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, sc.qt.get(), sc.tile.get(), th);
+      for (int64_t x = 0; x < n; x += kLanes) {
+        const VecF t = Load(th + x);
+        Store(ds + x, Load(ds + x) * (1.0f - t * t));
+      }
+    }
+    const float* w = pt;
+    if (hv.dropout()) {
+      float* wt = sc.tile.get();
+      const float* drop = sc.drop.get() + j0 * kBlockQ;
+      for (int64_t x = 0; x < n; x += kLanes) Store(wt + x, Load(pt + x) * Load(drop + x));
+      w = wt;
+    }
+    GemmLanes<kBlockQ>(nk, kBlockQ, w, 1, sc.do_rows.get(), dvp, dvp / kLanes,
+                       dv_acc + j0 * dvp, dvp, true);
+    GemmLanes<kBlockQ>(nk, kBlockQ, ds, 1, sc.q_rows.get(), dp, dp / kLanes, dk_acc + j0 * dp,
+                       dp, true);
+    GemmLanes<1>(d, nk, kv.k_rows + j0 * d, d, ds, kBlockQ, kQVectors, dqt, kBlockQ, true);
+  }
+  if (o.dbias != nullptr) {
+    ZeroOutsideTiles(Elem::kF32, o.dbias, row0, skv, valid, rows_in_block, jlo, jhi);
+  }
+  StoreQGrads(p, o, b, h, i0, i0 + rows_in_block, dqt);
 }
 
-// Pass B for (b, kv head hkv, key block jb): dk, dv rows [j0, j1).
-inline void ProbsBackwardKeys(const FlashParams& p, const ProbsBackwardInputs& in,
-                              const BackwardOutputs& o, const float* dr_all, int64_t b,
-                              int64_t hkv, int64_t jb) {
-  const int64_t d = p.head_dim, dv = p.v_dim, dp = RoundUp(d, kLanes), dvp = RoundUp(dv, kLanes);
-  const int64_t skv = p.kv_len, group = p.group();
-  const int64_t j0 = jb * kKeys, j1 = std::min(j0 + kKeys, skv), nk = j1 - j0;
-  const int64_t nkp = RoundUp(nk, kLanes);
-  FloatBuffer dk(nkp * dp), dvb(nkp * dvp), qc(kChunk * dp), doc(kChunk * dvp), drc(kChunk * nkp),
-      wc(kChunk * nkp), drop(nkp);
-  std::fill(dk.get(), dk.get() + nkp * dp, 0.0f);
-  std::fill(dvb.get(), dvb.get() + nkp * dvp, 0.0f);
-  int64_t n = 0;
-  auto flush = [&]() {
-    PGemm(nk, n, drc.get(), 1, nkp, qc.get(), dp, dp / kLanes, dk.get(), dp, true);
-    PGemm(nk, n, wc.get(), 1, nkp, doc.get(), dvp, dvp / kLanes, dvb.get(), dvp, true);
-    n = 0;
-  };
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = hkv * group + g;
-    const HeadRows hr(p, b, h);
-    for (int64_t i = 0; i < hr.ql; ++i) {
-      if (hr.Lo(i) >= j1 || hr.Hi(i) <= j0) continue;
-      float* w = wc.get() + n * nkp;
-      ReadProbsRow(hr, in.probs, i, j0, nkp, w);
-      bool any = false;
-      for (int64_t c = 0; c < nk; ++c) any |= w[c] != 0.0f;
-      if (!any) continue;
-      if (hr.dropout()) {
-        hr.DropRow(i, j0, j1, drop.get());
-        for (int64_t c = 0; c < nk; ++c) w[c] *= drop.get()[c];
-      }
-      const int64_t row = static_cast<int64_t>(hr.RowBase(i));
-      float* dr = drc.get() + n * nkp;
-      std::copy(dr_all + row + j0, dr_all + row + j1, dr);
-      std::fill(dr + nk, dr + nkp, 0.0f);
-      const int64_t token = (b * p.q_len + i) * p.q_heads + h;
-      float* qr = qc.get() + n * dp;
-      ToFloat(p.elem, p.q, token * d, d, qr);
-      std::fill(qr + d, qr + dp, 0.0f);
-      float* dor = doc.get() + n * dvp;
-      ToFloat(p.elem, in.dout, token * dv, dv, dor);
-      std::fill(dor + dv, dor + dvp, 0.0f);
-      if (++n == kChunk) flush();
-    }
-  }
-  if (n > 0) flush();
-  for (int64_t c = 0; c < nk; ++c) {
-    const int64_t token = (b * skv + j0 + c) * p.kv_heads + hkv;
-    float* kr = dk.get() + c * dp;
-    for (int64_t x = 0; x < d; ++x) kr[x] *= p.scale;
-    FromFloat(p.elem, o.dk, token * d, d, kr);
-    FromFloat(p.elem, o.dv, token * dv, dv, dvb.get() + c * dvp);
-  }
+// Query blocks of one (batch, kv head) are split into this many shares (each with its own dK/dV
+// partial sums, added in order afterwards) when there are too few (batch, kv head) pairs to keep
+// the threads busy. A function of the shapes only, so results never depend on threads.
+inline int64_t BackwardShares(const FlashParams& p, int64_t units) {
+  constexpr int64_t kMinTasks = 16;
+  const int64_t pairs = std::max<int64_t>(p.batch * p.kv_heads, 1);
+  return std::clamp<int64_t>(CeilDiv(kMinTasks, pairs), 1, std::max<int64_t>(units, 1));
 }
 
 inline void ProbsBackward(const FlashParams& p, const ProbsBackwardInputs& in,
                           const BackwardOutputs& o, ffi::ThreadPool* pool) {
-  if (p.batch == 0) return;
-  if (p.q_heads == 0) return;
-  const int64_t nqb = CeilDiv(p.q_len, kRows);
-  const int64_t nkb = CeilDiv(p.kv_len, kKeys);
-  FloatBuffer dr_all(p.batch * p.q_heads * p.q_len * p.kv_len);
-  const KvBwdLayout l(p);
-  const int64_t chunk = PackChunk(p.kv_heads * l.size(), p.batch);
-  FloatBuffer packed(chunk * p.kv_heads * l.size());
+  if (p.batch == 0 || p.q_heads == 0) return;
+  const ProbsKvLayout layout(p, /*fwd=*/false);
+  const int64_t group = p.group(), nqb = CeilDiv(p.q_len, kBlockQ);
+  const int64_t units = group * nqb;  // (query head of the group, query block) pairs
+  const int64_t shares = BackwardShares(p, units);
+  const int64_t dp = RoundUpLanes(p.head_dim), dvp = RoundUpLanes(p.v_dim);
+  const int64_t acc_size = layout.keys * (dp + dvp);
+  const int64_t chunk = BatchChunk(p.kv_heads * (layout.size() + shares * acc_size), p.batch);
+  FloatBuffer packed(chunk * p.kv_heads * layout.size());
+  FloatBuffer partial(shares > 1 ? chunk * p.kv_heads * shares * acc_size : 1);
   for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
     const int64_t nb = std::min(chunk, p.batch - b0);
     ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
-      PackKvBwd(p, b0 + t / p.kv_heads, t % p.kv_heads, l, packed.get() + t * l.size());
+      PackProbsKv(p, b0 + t / p.kv_heads, t % p.kv_heads, layout, packed.get() + t * layout.size());
     });
-    ParallelFor(pool, nb * p.q_heads * nqb, [&](int64_t t) {
-      const int64_t bl = t / (p.q_heads * nqb), h = (t / nqb) % p.q_heads;
-      const float* kv = packed.get() + (bl * p.kv_heads + h / p.group()) * l.size();
-      ProbsBackwardRows(p, in, o, l, kv, dr_all.get(), b0 + bl, h, t % nqb);
+    ParallelFor(pool, nb * p.kv_heads * shares, [&](int64_t t) {
+      const int64_t share = t % shares, pair = t / shares;
+      const int64_t bl = pair / p.kv_heads, hkv = pair % p.kv_heads, b = b0 + bl;
+      const KvPack kv = layout.At(packed.get() + pair * layout.size());
+      FloatBuffer own(shares > 1 ? 1 : acc_size);
+      float* acc = shares > 1 ? partial.get() + t * acc_size : own.get();
+      std::fill(acc, acc + acc_size, 0.0f);
+      float* dk_acc = acc;
+      float* dv_acc = acc + layout.keys * dp;
+      ProbsBackwardScratch sc(p);
+      const int64_t u0 = units * share / shares, u1 = units * (share + 1) / shares;
+      for (int64_t u = u0; u < u1; ++u) {
+        ProbsBackwardBlock(p, in, o, kv, b, hkv * group + u / nqb, u % nqb, dk_acc, dv_acc, sc);
+      }
+      if (shares == 1) {
+        StoreKvGrads(p, o, b, hkv, 0, p.kv_len, dk_acc, dp, dv_acc, dvp);
+      }
+      StreamFence();
     });
+    if (shares > 1) {
+      // dK/dV of each (batch, kv head): the shares' partial sums, added in share order.
+      ParallelFor(pool, nb * p.kv_heads, [&](int64_t pair) {
+        float* total = partial.get() + pair * shares * acc_size;
+        for (int64_t s = 1; s < shares; ++s) {
+          const float* part = total + s * acc_size;
+          for (int64_t x = 0; x < acc_size; ++x) total[x] += part[x];
+        }
+        StoreKvGrads(p, o, b0 + pair / p.kv_heads, pair % p.kv_heads, 0, p.kv_len, total, dp,
+                     total + layout.keys * dp, dvp);
+      });
+    }
   }
-  ParallelFor(pool, p.batch * p.kv_heads * nkb, [&](int64_t t) {
-    ProbsBackwardKeys(p, in, o, dr_all.get(), t / (p.kv_heads * nkb), (t / nkb) % p.kv_heads,
-                      t % nkb);
-  });
 }
 
 }  // namespace attnaux::cpu::pk

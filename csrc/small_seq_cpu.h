@@ -27,10 +27,6 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
 #include "attention_cpu.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
@@ -202,30 +198,6 @@ inline void DotRowsAny(const float* a, const float** rows, int64_t n, int64_t dp
   std::copy(sums, sums + n, out);
 }
 static_assert(kSmallMaxKeys <= 16, "DotRowsAny handles at most 16 keys");
-
-// Stores a vector that is not read again soon, bypassing the caches where the ISA allows (p
-// aligned to the vector size). Output rows are written once: the non-temporal store saves the
-// read-for-ownership of the line and keeps the prefetched inputs in the cache. A task ends with
-// StreamFence, so its outputs are visible before it reports done.
-inline void StoreStream(float* p, VecF v) {
-#if defined(__AVX512F__)
-  _mm512_stream_ps(p, (__m512)v);
-#elif defined(__AVX__)
-  _mm256_stream_ps(p, (__m256)v);
-#else
-  Store(p, v);
-#endif
-}
-
-inline void StreamFence() {
-#if defined(__AVX__) || defined(__AVX512F__)
-  _mm_sfence();
-#endif
-}
-
-inline bool StreamAligned(const float* p) {
-  return reinterpret_cast<uintptr_t>(p) % (kLanes * sizeof(float)) == 0;
-}
 
 // dst[x0 .. x0 + NV vectors) = sum_t w[t] * rows[t][same], accumulated in registers.
 template <int NV>
