@@ -114,9 +114,13 @@ def check_parity(backend, q, k, v, seed, *, with_probs=True, without_probs=True,
 # ------------------------------------------------------------------------------------------------
 # probs: parity over the option grid
 # ------------------------------------------------------------------------------------------------
-# B, Sq, Skv, Hq, Hkv, D, Dv: 37 query rows cross the 32-row blocks, 70 keys the 64-key blocks of
-# the backward; D = 24 is not a whole number of vectors; GQA with groups of 2.
-PROBS_SHAPE = (2, 37, 70, 4, 2, 24, 16)
+# B, Sq, Skv, Hq, Hkv, D, Dv: 67 query rows cross the 64-row query blocks, 70 keys the 64-key
+# tiles; D = 24 is not a whole number of vectors; GQA with groups of 2. With 4 (batch, kv head)
+# pairs the backward splits each pair's query blocks into shares (see PROBS_MANY_PAIRS).
+PROBS_SHAPE = (2, 67, 70, 4, 2, 24, 16)
+# 16 (batch, kv head) pairs: the backward's tasks own whole pairs; 40 query rows, 48 keys (tiles
+# of whole 16 x 16 transposes and ragged ones), head dims that are whole vectors.
+PROBS_MANY_PAIRS = (4, 40, 48, 8, 4, 32, 16)
 
 PROBS_OPTIONS = {
     "plain": dict(),
@@ -146,6 +150,12 @@ def _options(seed, shape, spec):
 def test_probs_parity_float32(case):
     q, k, v = make_inputs(1, *PROBS_SHAPE, jnp.float32)
     check_parity("probs", q, k, v, 1, **_options(2, PROBS_SHAPE, PROBS_OPTIONS[case]))
+
+
+@pytest.mark.parametrize("case", ["plain", "dropout", "everything"])
+def test_probs_parity_many_pairs(case):
+    q, k, v = make_inputs(7, *PROBS_MANY_PAIRS, jnp.float32)
+    check_parity("probs", q, k, v, 7, **_options(8, PROBS_MANY_PAIRS, PROBS_OPTIONS[case]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=dtype_id)
@@ -352,8 +362,11 @@ def test_vmap_matches_a_loop(backend, q_seq):
         want = f(q[n], k[n], v[n], kv_len[n])
         for a, e in zip(got, want):
             np.testing.assert_allclose(np.asarray(a[n]), np.asarray(e), rtol=1e-6, atol=1e-6)
-    grads = jax.vmap(jax.grad(lambda q, k, v, l: jnp.sum(f(q, k, v, l)[2] ** 2)))(q, k, v, kv_len)
-    want = jax.grad(lambda q, k, v, l: jnp.sum(f(q, k, v, l)[2] ** 2))(q[1], k[1], v[1], kv_len[1])
+    def loss(q, k, v, length):
+        return jnp.sum(f(q, k, v, length)[2] ** 2)
+
+    grads = jax.vmap(jax.grad(loss))(q, k, v, kv_len)
+    want = jax.grad(loss)(q[1], k[1], v[1], kv_len[1])
     np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -381,11 +394,12 @@ def test_gradient_through_probs_only():
     (1, 1, False, jnp.float32, "small_seq"),
     (1, SMALL_SEQ_MAX_KV_SEQ, False, jnp.bfloat16, "small_seq"),
     (1, SMALL_SEQ_MAX_KV_SEQ, True, jnp.float32, "small_seq"),
-    (1, SMALL_SEQ_MAX_KV_SEQ + 1, False, jnp.float32, "flash"),
-    (2, 16, False, jnp.float32, "flash"),
-    (4, 64, False, jnp.float16, "flash"),
+    (1, SMALL_SEQ_MAX_KV_SEQ + 1, False, jnp.float32, "probs"),
+    (2, 16, False, jnp.float32, "probs"),
+    (4, 64, False, jnp.float16, "probs"),
     (4, 64, True, jnp.float16, "probs"),
-    (4, 600, False, jnp.float32, "flash"),
+    (4, AUTO_PROBS_MAX_KV_SEQ, False, jnp.float32, "probs"),
+    (4, AUTO_PROBS_MAX_KV_SEQ + 1, False, jnp.float32, "flash"),
     (4, 600, True, jnp.float32, "probs"),
     (1, 8, False, jnp.float64, "reference"),
 ])
@@ -401,10 +415,13 @@ def test_auto_choice(q_seq, kv_seq, return_probs, dtype, want):
     elif dtype != jnp.float64:
         assert f"kv_seq <= {SMALL_SEQ_MAX_KV_SEQ}" in e.reasons["small_seq"]
     if want == "flash":
-        assert "flash measures faster" in e.reasons["probs"]
+        assert "not chosen: flash measures as fast for longer key sequences" in e.reasons["probs"]
+    if want == "probs" and not return_probs:
+        assert f"kv_seq={kv_seq} <= {AUTO_PROBS_MAX_KV_SEQ}" in e.reasons["probs"]
 
 
-@pytest.mark.parametrize("q_seq,kv_seq", [(1, 12), (1, 40), (33, 70), (3, AUTO_PROBS_MAX_KV_SEQ + 2)])
+@pytest.mark.parametrize("q_seq,kv_seq",
+                         [(1, 12), (1, 40), (33, 70), (3, AUTO_PROBS_MAX_KV_SEQ + 2)])
 def test_auto_never_changes_results(q_seq, kv_seq):
     """`auto` gives bitwise what the backend it names gives, and that agrees with flash and the
     reference within the parity tolerances (so crossing a dispatch limit changes nothing)."""

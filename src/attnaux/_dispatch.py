@@ -14,12 +14,18 @@ from ._probs_gpu import FWD_TARGET as _PROBS_GPU_TARGET
 
 BACKENDS = ("auto", "flash", "probs", "small_seq", "reference")
 
-AUTO_PROBS_MAX_KV_SEQ = 0
-"""`backend="auto"` picks `probs` over `flash` for training calls with `kv_seq` at most this (and
-for any length when `return_probs=True`). DESIGN.md proposed 512; measured side by side on the
-2-core CPU (`benchmarks/probs_small_seq.py`), `probs` was 0.79x / 0.51x of `flash`'s speed
-(forward / forward+backward) at 4x256x8x64 and 0.89x / 0.60x at 4x512x8x64, so by default `auto`
-uses `probs` only when the probabilities are asked for. Raise it where `probs` measures faster."""
+AUTO_PROBS_MAX_KV_SEQ = 512
+"""On CPU, `backend="auto"` picks `probs` over `flash` for calls with `kv_seq` at most this (and
+for any length when `return_probs=True`), DESIGN.md's limit. Measured side by side on the 2-core
+CPU (`benchmarks/probs_small_seq.py`), `probs` is faster than `flash` there both forward (its
+kernel shares flash's tiles and packs K/V faster; without differentiation it writes no P) and
+forward+backward (its backward reads P instead of recomputing the scores): 1.6x / 1.7x at
+4x256x8x64 and 1.2x / 1.1x at 4x512x8x64. On GPU `auto` does not use this limit (see
+`_auto_probs_max_kv_seq`): cuDNN's flash attention is the faster path there."""
+
+
+def _auto_probs_max_kv_seq(platform: str) -> int:
+    return AUTO_PROBS_MAX_KV_SEQ if platform == "cpu" else 0
 
 
 GPU_AUTO_SMALL_SEQ = False
@@ -131,13 +137,14 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
     """Picks the backend for a validated call; raises if an explicit request cannot be served.
 
     `auto` prefers, in order: `small_seq` whenever the static shapes fit (q_seq == 1 and
-    kv_seq <= 16; on GPU when `GPU_AUTO_SMALL_SEQ`); `probs` when `return_probs=True` (or kv_seq
-    <= `AUTO_PROBS_MAX_KV_SEQ`, 0 by default); `flash`; on GPU `probs` when cuDNN cannot serve
+    kv_seq <= 16; on GPU when `GPU_AUTO_SMALL_SEQ`); `probs` when `return_probs=True` (or, on CPU,
+    kv_seq <= `AUTO_PROBS_MAX_KV_SEQ`); `flash`; on GPU `probs` when cuDNN cannot serve
     the call; and `reference` when no compiled backend can serve the call.
     """
     backend = check_backend(backend)
     platform = _platform()
     kv_seq = problem.arrays.k.shape[1]
+    probs_limit = _auto_probs_max_kv_seq(platform)
     flash_no = _flash_unavailable(problem, platform, return_probs)
     probs_no = _probs_unavailable(problem, platform)
     small_no = _small_seq_unavailable(problem, platform)
@@ -164,25 +171,26 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
             for other, other_no in (("flash", flash_no), ("probs", probs_no)):
                 if other_no is None:
                     reasons[other] += "; not chosen: small_seq serves this shape"
-        elif probs_no is None and (return_probs or kv_seq <= AUTO_PROBS_MAX_KV_SEQ):
+        elif probs_no is None and (return_probs or kv_seq <= probs_limit):
             chosen = "probs"
             why = ("return_probs=True" if return_probs else
-                   f"kv_seq={kv_seq} <= {AUTO_PROBS_MAX_KV_SEQ} (AUTO_PROBS_MAX_KV_SEQ)")
+                   f"kv_seq={kv_seq} <= {probs_limit} (AUTO_PROBS_MAX_KV_SEQ; it measures "
+                   f"faster than flash there)")
             reasons["probs"] += f"; chosen because {why}"
             if flash_no is None:
                 reasons["flash"] += (
-                    f"; not chosen: probs is preferred for kv_seq <= {AUTO_PROBS_MAX_KV_SEQ}"
+                    f"; not chosen: probs is preferred for kv_seq <= {probs_limit}"
                 )
         elif flash_no is None:
             chosen = "flash"
             if probs_no is None:
                 faster = ("measures faster (on GPU except on tiny calls, where per-call overhead "
                           "dominates; docs/performance.md)" if platform == "gpu"
-                          else "measures faster")
+                          else "measures as fast for longer key sequences")
                 reasons["probs"] += (
                     f"; not chosen: flash {faster} and needs O(seq) memory; auto uses "
                     f"probs when return_probs=True (or kv_seq <= AUTO_PROBS_MAX_KV_SEQ = "
-                    f"{AUTO_PROBS_MAX_KV_SEQ})"
+                    f"{probs_limit})"
                 )
         elif probs_no is None and platform == "gpu":
             # cuDNN cannot serve the call (float32, a boolean mask, ...): on GPU the probs
