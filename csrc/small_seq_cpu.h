@@ -220,8 +220,9 @@ inline __attribute__((always_inline)) void WeightedBlock(int64_t n, const float*
 
 // dst[0..dp) = sum_t w[t] * rows[t][0..dp) over the n rows (zeros when n == 0), in order of t;
 // with `stream`, stored non-temporally (when dst is aligned).
-inline void WeightedSum(int64_t n, const float* w, const float* const* rows, int64_t dp,
-                        float* dst, bool stream = false) {
+inline __attribute__((always_inline)) void WeightedSum(int64_t n, const float* w,
+                                                       const float* const* rows, int64_t dp,
+                                                       float* dst, bool stream = false) {
   stream = stream && StreamAligned(dst);
   const int64_t nv = dp / kLanes;
   int64_t v0 = 0;
@@ -342,15 +343,18 @@ inline float SmallSoftmax(const HeadRows& hr, uint32_t visible, int64_t lo, int6
   }
   const float m = visible != 0 ? HMax(mv) : -kInfP;
   *m_out = m;
+  // P = exp(s - m) * exp(m - lse): one vector exponential (exp(-inf) = 0 where not visible).
   const VecF m_use = Splat(m == -kInfP ? 0.0f : m);
   VecF sum = VecF{};
-  for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) sum += Exp(Load(s + t) - m_use);
+  for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) {
+    const VecF e = Exp(Load(s + t) - m_use);
+    Store(s + t, e);
+    sum += e;
+  }
   const float lse = RowLse(hr, m, visible != 0 ? HSum(sum) : 0.0f);
   const bool empty = lse == -kInfP || m == -kInfP;
-  const VecF l = Splat(empty ? 0.0f : lse);
-  for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) {
-    Store(s + t, empty ? VecF{} : Exp(Load(s + t) - l));  // exp(-inf) = 0 where not visible
-  }
+  const VecF factor = Splat(empty ? 0.0f : std::exp(m - lse));
+  for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) Store(s + t, Load(s + t) * factor);
   return lse;
 }
 
@@ -529,12 +533,17 @@ inline void SmallBackwardBatch(const FlashParams& p, const ProbsBackwardInputs& 
     HeadKeyDots(q, k, p, lo, hi, dp, sc, raw, none);
   }
   float* w = sc.weights.get();
-  float prob[kSmallKeyPad];
+  alignas(64) float prob[kSmallKeyPad];
   for (int64_t h = 0; h < hq; ++h) {
     prefetch.Step();
     const HeadRows hr(p, b, h);
     std::fill(prob, prob + kSmallKeyPad, 0.0f);
-    ToFloat(p.elem, in.probs, (b * hq + h) * skv, skv, prob);
+    if (p.elem == Elem::kF32) {  // a handful of floats: no call to memcpy
+      const float* src = static_cast<const float*>(in.probs) + (b * hq + h) * skv;
+      for (int64_t j = 0; j < skv; ++j) prob[j] = src[j];
+    } else {
+      ToFloat(p.elem, in.probs, (b * hq + h) * skv, skv, prob);
+    }
     sc.keys[h] =
         SmallBackwardRow(hr, in, o, lo, hi, prob, raw != nullptr ? raw + h * kSmallKeyPad : nullptr,
                          dpr + h * kSmallKeyPad, w + h * kSmallKeyPad);
