@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_flash.py            # every GPU shape of shared/BENCHMARKS.md, bf16
     python benchmarks/gpu_flash.py --quick    # two shapes
+    python benchmarks/gpu_flash.py --segments # packed sequences (segment ids), see below
 
 Side by side in one run, for each shape and causal mode, forward and forward+backward:
 
@@ -18,6 +19,12 @@ Timing: jitted, 2 warm-up calls, then rounds of back-to-back calls (one block_un
 end; as many calls as take about 50 ms, 10 to 300); seven rounds with the candidates taking
 turns, the median of the rounds' means reported. FLOPs as FlashAttention: 4*b*h*s*s*d forward,
 halved for causal; forward+backward = 3.5x forward. Prints a markdown table (TFLOP/s, ratios).
+
+`--segments`: packed sequences, each row of the batch holding 4 segments of random lengths (the
+same ids for queries and keys), times in ms of: attnaux `flash` with the segment ids (attnaux's
+score modifier forward, a constant segment bias backward); the same masking spelled by the user
+as a `[B, 1, S, S]` bias; the `probs` backend with the segment ids (what `auto` picked on GPU
+before `flash` served them); and `flash` without segments (the unmasked bound).
 """
 
 import argparse
@@ -130,6 +137,49 @@ def run(shapes, causal_modes):
     return rows
 
 
+def _segment_ids(b, s, segments=4, seed=0):
+    cuts = jax.random.randint(jax.random.key(seed), (b, segments - 1), 1, s)
+    return jnp.sum(jnp.arange(s)[None, :, None] >= cuts[:, None, :], axis=-1).astype(jnp.int32)
+
+
+def run_segments(shapes):
+    print("| b x s x h x d | causal | flash, segment ids | flash, segments as a bias "
+          "| probs, segment ids | flash, no segments | segment ids vs bias / vs probs |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in shapes:
+        b, s, h, d = shape
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+        seg = _segment_ids(b, s)
+        bias = jnp.where(seg[:, None, :, None] == seg[:, None, None, :], 0.0, -jnp.inf)
+        bias = bias.astype(jnp.bfloat16)
+        for causal in (False, True):
+            calls = {
+                "seg": lambda q, k, v, seg, bias, c=causal: attnaux.attention(
+                    q, k, v, q_segment_ids=seg, causal=c, backend="flash")[0],
+                "bias": lambda q, k, v, seg, bias, c=causal: attnaux.attention(
+                    q, k, v, bias=bias, causal=c, backend="flash")[0],
+                "probs": lambda q, k, v, seg, bias, c=causal: attnaux.attention(
+                    q, k, v, q_segment_ids=seg, causal=c, backend="probs")[0],
+                "none": lambda q, k, v, seg, bias, c=causal: attnaux.attention(
+                    q, k, v, causal=c, backend="flash")[0],
+            }
+            fwd = {n: jax.jit(f) for n, f in calls.items()}
+            fwd_bwd = {
+                n: jax.jit(lambda q, k, v, seg, bias, do, f=f: jax.vjp(
+                    lambda q, k, v: f(q, k, v, seg, bias), q, k, v)[1](do))
+                for n, f in calls.items()
+            }
+            t_f = timed(fwd, (q, k, v, seg, bias))
+            t_fb = timed(fwd_bwd, (q, k, v, seg, bias, do))
+            ms = {n: (1e3 * t_f[n], 1e3 * t_fb[n]) for n in calls}
+            cells = " | ".join(f"{ms[n][0]:.3f} / {ms[n][1]:.3f}" for n in calls)
+            ratios = (f"{t_f['bias'] / t_f['seg']:.2f}x / {t_fb['bias'] / t_fb['seg']:.2f}x; "
+                      f"{t_f['probs'] / t_f['seg']:.2f}x / {t_fb['probs'] / t_fb['seg']:.2f}x")
+            print(f"| {'x'.join(map(str, shape))} | {'yes' if causal else 'no'} | {cells} "
+                  f"| {ratios} |", flush=True)
+
+
 def table(rows) -> str:
     lines = [
         "| b x s x h x d | causal | attnaux flash (lse+max) | attnaux lse only (cuDNN's pick) "
@@ -156,12 +206,17 @@ def table(rows) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes only")
+    parser.add_argument("--segments", action="store_true",
+                        help="packed sequences (segment ids) instead; times in ms fwd / fwd+bwd")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit(f"needs a GPU; JAX's default backend is {jax.default_backend()!r}")
     shapes = SHAPES[:1] + SHAPES[-1:] if args.quick else SHAPES
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, cuDNN "
           f"{attnaux._ffi.ext_cuda().cudnn_version()}", flush=True)
+    if args.segments:
+        run_segments(shapes[:3])
+        return
     rows = run(shapes, (False, True))
     print()
     print(table(rows))

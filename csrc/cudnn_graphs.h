@@ -55,8 +55,6 @@ enum Uid : int64_t {
   kSeed,      // dropout: cuDNN's Philox seed, int64 (rng_state words 0, 1)
   kOffset,    // dropout: cuDNN's Philox offset, int64 (rng_state words 2, 3)
   kRngDump,   // dropout: cuDNN's keep-mask as float32 0/1 [B, Hq, Sq, Skv] (replay only)
-  kQSegment,  // segment ids of the query rows, int32 [B, 1, Sq, 1]
-  kKvSegment, // segment ids of the key rows, int32 [B, 1, 1, Skv]
 };
 
 // The static configuration of one forward or backward call: everything a cuDNN graph depends on.
@@ -75,7 +73,9 @@ struct AttnConfig {
   float softcap = 0.0f;   // > 0: logits -> softcap * tanh(logits / softcap), before the bias
   float dropout = 0.0f;   // probability of dropping an entry of P (cuDNN's Philox), 0 = none
   bool rng_dump = false;  // forward: also write cuDNN's dropout keep-mask (mask replay)
-  bool segments = false;  // q/kv segment ids: a query sees only keys of its own segment
+  // Backward with a bias: whether to write its gradient. Off for a constant bias, such as the
+  // segment-id mask (0 / -inf) the Python layer passes in place of segment ids.
+  bool bias_grad = true;
   // Forward: pin cuDNN's composite SDPA implementation (the one that emits Max + Sum_exp on
   // cuDNN < 9.21) instead of letting the frontend pick; used to measure the max's cost on one
   // engine (benchmarks/gpu_flash.py).
@@ -88,7 +88,7 @@ struct AttnConfig {
   // attnaux's own score modifier instead (ScoreModifier below), which costs the skipping of
   // fully masked tiles but computes the same logits.
   bool masks_in_score_mod() const {
-    return softcap > 0 || segments || (causal == 2 && (has_bias() || dropout > 0));
+    return softcap > 0 || (causal == 2 && (has_bias() || dropout > 0));
   }
 
   std::string Key() const {
@@ -99,14 +99,14 @@ struct AttnConfig {
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "%s dev%d t%d b%lld hq%lld hk%lld sq%lld skv%lld d%lld dv%lld bias%lldx%lld "
-                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d seg%d comp%d",
+                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d comp%d dbias%d",
                   backward ? "bwd" : "fwd", device, dtype, (long long)b, (long long)hq,
                   (long long)hk, (long long)sq, (long long)skv, (long long)d, (long long)dv,
                   (long long)bias_b, (long long)bias_h, (int)padding, causal,
                   (long long)window_left, (long long)window_right, scale_bits,
                   backward ? 0 : (int)with_max, has_bias() ? (int)bias_f32 : 0, softcap_bits,
-                  dropout_bits, (int)(rng_dump && !backward), (int)segments,
-                  (int)(composite && !backward));
+                  dropout_bits, (int)(rng_dump && !backward), (int)(composite && !backward),
+                  (int)(backward && has_bias() && bias_grad));
     return buf;
   }
 };
@@ -321,15 +321,14 @@ void ApplyMasks(const AttnConfig& c, Attributes& a) {
   a.set_diagonal_alignment(Alignment(c));
 }
 
-// attnaux's score modifier: softcap, then the segment-id, padding and causal / window masks, on
+// attnaux's score modifier: softcap, then the padding and causal / window masks, on
 // the scaled logits (the bias is added after it, as attnaux's convention wants). Used for the
 // configurations of `AttnConfig::masks_in_score_mod`; cuDNN runs it inside the fused kernel. The
 // Softcap helper keeps its pre-tanh tensor for the backward's bprop modifier, so one instance
 // serves the forward and the bprop lambda of one graph.
 struct ScoreModifier {
   AttnConfig c;
-  int segment_variant = 0;  // how the segment ids are compared (see BuildGraphAnyVariant)
-  std::shared_ptr<fe::graph::Tensor_attributes> softcap, seq_q, seq_kv, q_segment, kv_segment;
+  std::shared_ptr<fe::graph::Tensor_attributes> softcap, seq_q, seq_kv;
   fe::graph::attn::score_modifiers::Softcap softcap_op;
 
   std::shared_ptr<fe::graph::Tensor_attributes> Forward(
@@ -337,49 +336,6 @@ struct ScoreModifier {
     namespace g = fe::graph;
     namespace mods = fe::graph::attn::score_modifiers;
     if (c.softcap > 0) x = softcap_op.forward(graph, x, softcap);
-    if (c.segments) {
-      std::shared_ptr<g::Tensor_attributes> same;
-      if (segment_variant == 0) {
-        // q ids [B, 1, Sq, 1] against kv ids [B, 1, 1, Skv], broadcast by the comparison.
-        same = graph->pointwise(q_segment, kv_segment,
-                                g::Pointwise_attributes()
-                                    .set_name("same_segment")
-                                    .set_mode(fe::PointwiseMode_t::CMP_EQ)
-                                    .set_compute_data_type(fe::DataType_t::BOOLEAN));
-      } else {
-        // The same through a full-shape int32 tensor first (column index * 0 + q id), in the
-        // pattern of cuDNN's own padding mask (a full tensor compared with a side tensor).
-        auto column = graph->pointwise(x, g::Pointwise_attributes()
-                                              .set_name("segment_col_index")
-                                              .set_mode(fe::PointwiseMode_t::GEN_INDEX)
-                                              .set_axis(3)
-                                              .set_compute_data_type(fe::DataType_t::INT32));
-        column->set_data_type(fe::DataType_t::INT32);
-        auto zero = graph->pointwise(column, std::make_shared<g::Tensor_attributes>(int32_t{0}),
-                                     g::Pointwise_attributes()
-                                         .set_name("segment_zero")
-                                         .set_mode(fe::PointwiseMode_t::MUL)
-                                         .set_compute_data_type(fe::DataType_t::INT32));
-        zero->set_data_type(fe::DataType_t::INT32);
-        auto q_ids = graph->pointwise(zero, q_segment,
-                                      g::Pointwise_attributes()
-                                          .set_name("segment_q_ids")
-                                          .set_mode(fe::PointwiseMode_t::ADD)
-                                          .set_compute_data_type(fe::DataType_t::INT32));
-        q_ids->set_data_type(fe::DataType_t::INT32);
-        same = graph->pointwise(q_ids, kv_segment,
-                                g::Pointwise_attributes()
-                                    .set_name("same_segment")
-                                    .set_mode(fe::PointwiseMode_t::CMP_EQ)
-                                    .set_compute_data_type(fe::DataType_t::BOOLEAN));
-      }
-      same->set_data_type(fe::DataType_t::BOOLEAN);
-      auto minus_inf = std::make_shared<g::Tensor_attributes>(mods::get_negative_inf_value());
-      x = graph->pointwise(x, minus_inf, same,
-                           g::Pointwise_attributes()
-                               .set_name("select_segment")
-                               .set_mode(fe::PointwiseMode_t::BINARY_SELECT));
-    }
     if (c.padding) x = mods::padding_mask(graph, x, seq_kv, seq_q);
     auto right = RightBound(c);
     auto left = LeftBound(c);
@@ -399,8 +355,7 @@ struct ScoreModifier {
 };
 
 // Builds the graph of `c` on `handle` (the caller holds the device mutex). Returns "" or why not.
-inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* plan,
-                              int segment_variant = 0) {
+inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* plan) {
   namespace g = fe::graph;
   auto graph = std::make_shared<g::Graph>();
   const auto io = c.dtype == 0 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
@@ -444,17 +399,9 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
   if (c.masks_in_score_mod()) {
     modifier = std::make_shared<ScoreModifier>();
     modifier->c = c;
-    modifier->segment_variant = segment_variant;
     modifier->seq_q = seq_q;
     modifier->seq_kv = seq_kv;
     if (c.softcap > 0) modifier->softcap = std::make_shared<g::Tensor_attributes>(c.softcap);
-    if (c.segments) {
-      modifier->q_segment = tensor("q_segment", kQSegment, {c.b, 1, c.sq, 1}, {c.sq, c.sq, 1, 1});
-      modifier->kv_segment =
-          tensor("kv_segment", kKvSegment, {c.b, 1, 1, c.skv}, {c.skv, c.skv, c.skv, 1});
-      modifier->q_segment->set_data_type(fe::DataType_t::INT32);
-      modifier->kv_segment->set_data_type(fe::DataType_t::INT32);
-    }
   }
   auto forward_mod = [modifier](std::shared_ptr<g::Graph> sub,
                                 std::shared_ptr<g::Tensor_attributes> x) {
@@ -513,9 +460,11 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
           g::SDPA_backward_attributes().set_name("attnaux_flash_bwd").set_attn_scale(c.scale);
       if (bias) {
         attrs.set_bias(bias);
-        auto dbias = tensor("dBias", kDBias, bias_dim, bias_stride);
-        dbias->set_data_type(bias_type);
-        attrs.set_dbias(dbias);
+        if (c.bias_grad) {
+          auto dbias = tensor("dBias", kDBias, bias_dim, bias_stride);
+          dbias->set_data_type(bias_type);
+          attrs.set_dbias(dbias);
+        }
       }
       if (modifier) {
         attrs.set_score_mod(forward_mod);
@@ -557,16 +506,6 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
     return std::string("cuDNN frontend: ") + ex.what();
   }
   return "";
-}
-
-// BuildGraph, trying the second spelling of the segment-id comparison when cuDNN rejects the first
-// (both compute the same mask; which one cuDNN's fused engine accepts is its business).
-inline std::string BuildGraphAnyVariant(const AttnConfig& c, cudnnHandle_t handle, Plan* plan) {
-  std::string why = BuildGraph(c, handle, plan, 0);
-  if (why.empty() || !c.segments) return why;
-  std::string why_full = BuildGraph(c, handle, plan, 1);
-  if (why_full.empty()) return "";
-  return why + " (and with the segment ids compared through a full-shape index: " + why_full + ")";
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -613,14 +552,14 @@ class GraphCache {
     }
     Entry entry;
     auto plan = std::make_shared<Plan>();
-    std::string why = BuildGraphAnyVariant(c, dev->handle, plan.get());
+    std::string why = BuildGraph(c, dev->handle, plan.get());
     std::string low_key;
     if (!why.empty() && c.has_bias() && c.bias_f32 && fallback) {
       // cuDNN's fused kernels may want the bias in the io dtype: the handler then converts it.
       AttnConfig low = c;
       low.bias_f32 = false;
       auto plan_low = std::make_shared<Plan>();
-      std::string why_low = BuildGraphAnyVariant(low, dev->handle, plan_low.get());
+      std::string why_low = BuildGraph(low, dev->handle, plan_low.get());
       if (why_low.empty()) {
         plan = plan_low;
         why.clear();

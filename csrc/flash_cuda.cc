@@ -58,8 +58,7 @@ ffi::Error CudaError(const std::string& target, const char* what, cudaError_t e)
 // Shapes shared by the forward and the backward; fills the static part of `c`.
 ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
-                        ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
-                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::U32> rng_state,
+                        ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::U32> rng_state,
                         float scale, int32_t causal, int64_t window_left, int64_t window_right,
                         int32_t padding, float softcap, float dropout_rate, AttnConfig* c) {
   const ffi::DataType t = q.element_type();
@@ -134,20 +133,6 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
   if (!(dropout_rate >= 0.0f && dropout_rate < 1.0f)) {
     return Invalid(target, "dropout_rate must be in [0, 1).");
   }
-  const bool segments = !Absent(q_segment_ids.dimensions());
-  if (segments) {
-    if (auto e = ExpectShape(target, "q_segment_ids", q_segment_ids.dimensions(), {c->b, c->sq});
-        e.failure()) {
-      return e;
-    }
-    if (auto e = ExpectShape(target, "kv_segment_ids", kv_segment_ids.dimensions(),
-                             {c->b, c->skv});
-        e.failure()) {
-      return e;
-    }
-  } else if (!Absent(kv_segment_ids.dimensions())) {
-    return Invalid(target, "kv_segment_ids must be (0,) when q_segment_ids is.");
-  }
   if (dropout_rate > 0.0f) {
     if (auto e = ExpectShape(target, "rng_state", rng_state.dimensions(), {4}); e.failure()) {
       return e;
@@ -160,23 +145,17 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
   c->padding = padding != 0;
   c->softcap = softcap;
   c->dropout = dropout_rate;
-  c->segments = segments;
   return ffi::Error::Success();
 }
 
 // The variant-pack entries shared by the forward and the backward.
 void PackCommon(const AttnConfig& c, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
-                ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
-                ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::U32> rng_state,
+                ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::U32> rng_state,
                 std::unordered_map<int64_t, void*>& pack) {
   if (c.has_bias()) pack[kBias] = bias.untyped_data();
   if (c.padding) {
     pack[kSeqQ] = q_seqlens.untyped_data();
     pack[kSeqKv] = kv_seqlens.untyped_data();
-  }
-  if (c.segments) {
-    pack[kQSegment] = q_segment_ids.untyped_data();
-    pack[kKvSegment] = kv_segment_ids.untyped_data();
   }
   if (c.dropout > 0) {
     // rng_state = (seed_lo, seed_hi, offset_lo, offset_hi): little-endian, words 0-1 are the
@@ -218,8 +197,6 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                             ffi::Buffer<ffi::S32> kv_seqlens,
-                            ffi::Buffer<ffi::S32> q_segment_ids,
-                            ffi::Buffer<ffi::S32> kv_segment_ids,
                             ffi::Buffer<ffi::U32> rng_state, float scale, int32_t causal,
                             int64_t window_left, int64_t window_right, int32_t padding,
                             int32_t with_max, int32_t composite, float softcap,
@@ -234,9 +211,9 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   c.device = device;
   c.backward = false;
   c.with_max = with_max != 0;
-  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids,
-                            kv_segment_ids, rng_state, scale, causal, window_left, window_right,
-                            padding, softcap, dropout_rate, &c);
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, rng_state, scale,
+                            causal, window_left, window_right, padding, softcap, dropout_rate,
+                            &c);
       e.failure()) {
     return e;
   }
@@ -287,7 +264,7 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
     pack[kStats] = lse->untyped_data();
   }
   if (c.rng_dump) pack[kRngDump] = keep_mask->untyped_data();
-  PackCommon(c, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, rng_state, pack);
+  PackCommon(c, bias, q_seqlens, kv_seqlens, rng_state, pack);
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
   return ffi::Error::Success();
@@ -297,8 +274,6 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                              ffi::Buffer<ffi::S32> kv_seqlens,
-                             ffi::Buffer<ffi::S32> q_segment_ids,
-                             ffi::Buffer<ffi::S32> kv_segment_ids,
                              ffi::Buffer<ffi::U32> rng_state, ffi::AnyBuffer out,
                              ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats, float scale,
                              int32_t causal, int64_t window_left, int64_t window_right,
@@ -311,9 +286,9 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   c.device = device;
   c.backward = true;
   c.with_max = false;
-  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, q_segment_ids,
-                            kv_segment_ids, rng_state, scale, causal, window_left, window_right,
-                            padding, softcap, dropout_rate, &c);
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, rng_state, scale,
+                            causal, window_left, window_right, padding, softcap, dropout_rate,
+                            &c);
       e.failure()) {
     return e;
   }
@@ -344,7 +319,9 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       e.failure()) {
     return e;
   }
-  if (c.has_bias()) {
+  if (c.has_bias() && Absent(dbias->dimensions())) {
+    c.bias_grad = false;  // a constant bias (the caller's segment-id mask): no gradient written
+  } else if (c.has_bias()) {
     if (auto e = ExpectShape(target, "dbias", dbias->dimensions(),
                              {c.bias_b, c.bias_h, c.sq, c.skv});
         e.failure()) {
@@ -359,13 +336,12 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   auto plan = GraphCache::Get().Lookup(c, &error);
   if (!plan) return ffi::Error::InvalidArgument(target + ": " + error);
 
-  if (c.has_bias()) {
+  if (c.has_bias() && c.bias_grad) {
     if (dbias->element_type() != bias.element_type()) {
       return Invalid(target, "dbias must have the bias's dtype.");
     }
-    // With a padding mask or segment ids cuDNN may skip masked rows/columns of dbias: start from
-    // zeros.
-    if (c.padding || c.segments) {
+    // With a padding mask cuDNN may skip masked rows/columns of dbias: start from zeros.
+    if (c.padding) {
       const size_t bytes = static_cast<size_t>(c.bias_b * c.bias_h * c.sq * c.skv) *
                            (c.bias_f32 ? 4 : 2);
       cudaError_t e = cudaErrorInitializationError;
@@ -385,8 +361,8 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       {kQ, q.untyped_data()},       {kK, k.untyped_data()},        {kV, v.untyped_data()},
       {kO, out.untyped_data()},     {kDO, dout.untyped_data()},    {kStats, stats.untyped_data()},
       {kDQ, dq->untyped_data()},    {kDK, dk->untyped_data()},     {kDV, dv->untyped_data()}};
-  if (c.has_bias()) pack[kDBias] = dbias->untyped_data();
-  PackCommon(c, bias, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, rng_state, pack);
+  if (c.has_bias() && c.bias_grad) pack[kDBias] = dbias->untyped_data();
+  PackCommon(c, bias, q_seqlens, kv_seqlens, rng_state, pack);
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
   return ffi::Error::Success();
@@ -406,8 +382,8 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
-                         float softcap, float dropout, bool segments, bool rng_dump,
-                         bool composite, bool* bias_f32, int64_t* workspace) {
+                         float softcap, float dropout, bool rng_dump, bool composite,
+                         bool bias_grad, bool* bias_f32, int64_t* workspace) {
   AttnConfig c;
   c.device = device;
   c.dtype = dtype;
@@ -429,7 +405,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
   c.with_max = with_max;
   c.softcap = softcap;
   c.dropout = dropout;
-  c.segments = segments;
+  c.bias_grad = bias_grad;
   c.rng_dump = rng_dump && !backward;
   c.composite = composite && !backward;
   std::string error;
@@ -465,8 +441,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // bias F32 or T [1|B, 1|Hq, Sq, Skv], or (0,)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens [B] (read iff padding)
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens [B] (read iff padding)
-        .Arg<ffi::Buffer<ffi::S32>>()              // q_segment_ids [B, Sq] or (0,)
-        .Arg<ffi::Buffer<ffi::S32>>()              // kv_segment_ids [B, Skv] or (0,)
         .Arg<ffi::Buffer<ffi::U32>>()              // rng_state [4] (read iff dropout) or (0,)
         .Attr<float>("scale")                      // multiplies q.k
         .Attr<int32_t>("causal")                   // 0 none, 1 top-left, 2 bottom-right
@@ -496,8 +470,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // bias (F32 or T) or (0,)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens
-        .Arg<ffi::Buffer<ffi::S32>>()              // q_segment_ids or (0,)
-        .Arg<ffi::Buffer<ffi::S32>>()              // kv_segment_ids or (0,)
         .Arg<ffi::Buffer<ffi::U32>>()              // rng_state (the forward's) or (0,)
         .Arg<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv']
         .Arg<ffi::AnyBuffer>()                     // dout [B, Sq, Hq, Dv']
@@ -512,5 +484,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                     // dq [B, Sq, Hq, D]
         .Ret<ffi::AnyBuffer>()                     // dk [B, Skv, Hkv, D]
         .Ret<ffi::AnyBuffer>()                     // dv [B, Skv, Hkv, Dv']
-        .Ret<ffi::AnyBuffer>()                     // dbias like bias (same dtype), or (0,)
+        .Ret<ffi::AnyBuffer>()                     // dbias like bias, or (0,): no gradient
         .Ret<ffi::AnyBuffer>());                   // workspace (u8, (0,): XLA's scratch)

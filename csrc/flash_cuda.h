@@ -22,17 +22,18 @@ namespace attnaux_cuda {
 void SetLibraryHints(const std::string& cudnn, const std::string& cudart);
 int64_t LoadedCudnnVersion();
 // "" when cuDNN serves the configuration (building and caching its graph), else the reason;
-// `softcap` (0 = off), `dropout` (the probability, 0 = off), `segments` (segment ids given) and
-// `rng_dump` (a forward that also writes cuDNN's dropout keep-mask) complete the configuration;
-// `composite` pins cuDNN's composite SDPA implementation for a forward (for measurements).
+// `softcap` (0 = off), `dropout` (the probability, 0 = off) and `rng_dump` (a forward that also
+// writes cuDNN's dropout keep-mask) complete the configuration; `composite` pins cuDNN's
+// composite SDPA implementation for a forward (for measurements); `bias_grad` false makes a
+// backward that takes the bias as a constant (no dbias).
 // With `try_f32_bias` a bias is tried in float32 first, else in the io dtype; `bias_f32` tells which
 // the graph takes (and gives dbias in), `workspace` the bytes of cuDNN workspace it needs.
 std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
                          int64_t skv, int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h,
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
-                         float softcap, float dropout, bool segments, bool rng_dump,
-                         bool composite, bool* bias_f32, int64_t* workspace);
+                         float softcap, float dropout, bool rng_dump, bool composite,
+                         bool bias_grad, bool* bias_f32, int64_t* workspace);
 struct CacheStats {
   int64_t size, builds, hits;
 };

@@ -36,8 +36,8 @@ PYBIND11_MODULE(_ext_cuda, m) {
       [](int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq, int64_t skv,
          int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h, bool padding, int causal,
          int64_t window_left, int64_t window_right, float scale, bool backward, bool with_max,
-         bool try_f32_bias, float softcap, float dropout, bool segments, bool rng_dump,
-         bool composite) {
+         bool try_f32_bias, float softcap, float dropout, bool rng_dump, bool composite,
+         bool bias_grad) {
         bool bias_f32 = true;
         int64_t workspace = 0;
         std::string error;
@@ -46,7 +46,7 @@ PYBIND11_MODULE(_ext_cuda, m) {
           error = attnaux_cuda::CheckSupport(device, dtype, b, hq, hk, sq, skv, d, dv, bias_b,
                                              bias_h, padding, causal, window_left, window_right,
                                              scale, backward, with_max, try_f32_bias, softcap,
-                                             dropout, segments, rng_dump, composite, &bias_f32,
+                                             dropout, rng_dump, composite, bias_grad, &bias_f32,
                                              &workspace);
         }
         return py::make_tuple(error, bias_f32, workspace);
@@ -56,7 +56,7 @@ PYBIND11_MODULE(_ext_cuda, m) {
       py::arg("bias_h"), py::arg("padding"), py::arg("causal"), py::arg("window_left"),
       py::arg("window_right"), py::arg("scale"), py::arg("backward"), py::arg("with_max"),
       py::arg("try_f32_bias"), py::arg("softcap") = 0.0f, py::arg("dropout") = 0.0f,
-      py::arg("segments") = false, py::arg("rng_dump") = false, py::arg("composite") = false,
+      py::arg("rng_dump") = false, py::arg("composite") = false, py::arg("bias_grad") = true,
       "Builds (once) and caches the cuDNN graph of this configuration; returns (reason, "
       "bias_f32, workspace_bytes): reason '' when cuDNN serves it, whether it takes the bias in "
       "float32 (else in the input dtype), and the workspace it needs.");

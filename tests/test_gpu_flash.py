@@ -107,14 +107,21 @@ CASES = [
     ("sink_causal_seqlens", 6, 96, 96, 4, 2, 64, 64,
      dict(sink=True, causal=True, q_seqlens="edges", kv_seqlens="edges")),
     ("sink_softcap_d256", 1, 128, 128, 2, 2, 256, 256, dict(sink=True, softcap=5.0, causal=True)),
-    # segment ids: a select in attnaux's score modifier; sorted random runs, so some segments are
-    # empty on one side (rows with no visible key)
+    # segment ids: a select in attnaux's score modifier forward, a constant [B, 1, Sq, Skv] bias
+    # backward; sorted random runs, so some segments are empty on one side (rows with no visible
+    # key)
     ("segments", 2, 128, 128, 4, 4, 64, 64, dict(segments=3)),
     ("segments_causal_gqa", 2, 128, 128, 8, 2, 64, 64, dict(segments=4, causal=True)),
     ("segments_cross_bias_sink", 2, 96, 128, 4, 4, 64, 64,
      dict(segments=2, bias="BHQK", sink=True)),
     ("segments_seqlens_window", 4, 128, 128, 4, 4, 64, 64,
      dict(segments=3, kv_seqlens="rand", window=(24, 0))),
+    # the call's bias shared over the batch: its gradient sums the per-element segment biases
+    ("segments_bias_shared", 2, 128, 128, 4, 4, 64, 64, dict(segments=3, bias="QK")),
+    ("segments_softcap", 2, 128, 128, 4, 2, 64, 64, dict(segments=3, softcap=4.0, scale=0.5)),
+    ("segments_bottom_right_seqlens", 4, 96, 128, 4, 4, 64, 64,
+     dict(segments=2, causal="bottom_right", q_seqlens="rand", kv_seqlens="rand")),
+    ("segments_d256", 1, 128, 128, 2, 2, 256, 256, dict(segments=3, causal=True)),
 ]
 F16_CASES = {"plain", "causal", "bottom_right", "bias_full", "seqlens", "window_causal", "d256",
              "softcap_causal_gqa", "sink", "segments_causal_gqa"}
@@ -157,7 +164,8 @@ def test_parity_with_reference(case, dtype):
 
 
 @pytest.mark.parametrize(
-    "name", ["plain", "causal", "bias_heads", "seqlens", "window_two_sided", "d256"]
+    "name", ["plain", "causal", "bias_heads", "seqlens", "window_two_sided", "d256", "segments",
+             "segments_bias_shared"]
 )
 def test_gradients_without_lse_cotangent(name):
     """Only `out` in the loss: the backward runs with no lse term (symbolic zero)."""
@@ -247,7 +255,6 @@ def test_not_served_on_gpu_goes_to_reference():
     out, aux = attnaux.attention(qb, kb, vb, mask=mask)  # auto still works
     assert aux.backend != "flash"
     for opts, words in (
-        (dict(q_segment_ids=jnp.zeros((1, 64), jnp.int32)), ("segment ids", "dK")),
         (dict(softcap=5.0, bias=jnp.zeros((64, 64))), ("softcap", "bias gradient")),
     ):
         ex = attnaux.explain(qb, kb, vb, **opts)
@@ -260,7 +267,8 @@ def test_not_served_on_gpu_goes_to_reference():
 
 
 def test_served_on_gpu():
-    """softcap, sink, dropout and a bias with bottom-right causal masking run on cuDNN."""
+    """softcap, sink, dropout, segment ids and a bias with bottom-right causal masking run on
+    cuDNN."""
     q, k, v = make_inputs(0, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
     key = jax.random.key(0)
     for opts in (
@@ -269,10 +277,36 @@ def test_served_on_gpu():
         dict(sink=jnp.zeros((2,))),
         dict(bias=jnp.zeros((64, 64)), causal="bottom_right"),
         dict(dropout_rate=0.1, key=key, causal=True, softcap=3.0),
+        dict(q_segment_ids=jnp.zeros((1, 64), jnp.int32)),
     ):
         ex = attnaux.explain(q, k, v, **opts)
         assert ex.backend == "flash", (opts, ex.reasons["flash"])
         assert ex.implementation.startswith("cuDNN")
+
+
+def test_vmap_segments_matches_reference():
+    """vmap over calls with segment ids and a bias shared by the batch (the backward's segment
+    bias is folded with the mapped axis, the bias gradient summed back)."""
+    q, k, v = make_inputs(4, (3, 2), 96, 96, 4, 2, 64, 64, jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (3, 2, 96)), axis=-1), jnp.int32)
+    bias = jnp.asarray(rng.standard_normal((96, 96)), jnp.bfloat16).astype(jnp.float32)
+
+    def loss(q, k, v, bias, backend):
+        def one(q, k, v, seg):
+            out, aux = attnaux.attention(q, k, v, bias=bias, q_segment_ids=seg, backend=backend)
+            return out, jnp.where(jnp.isfinite(aux.lse), aux.lse, 0.0)
+
+        out, lse = jax.vmap(one)(q, k, v, seg)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(lse)
+
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(*a, "flash"), argnums=(0, 1, 2, 3)))(
+        q, k, v, bias)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, "reference"), argnums=(0, 1, 2, 3)))(
+        q, k, v, bias)
+    assert_close(got[0], want[0], (2e-2, 0.0), "loss")
+    for g, r, n in zip(got[1], want[1], ("q", "k", "v", "bias"), strict=True):
+        assert_close(g, r, tol(jnp.bfloat16, "grad"), f"d{n}")
 
 
 def test_vmap_matches_reference():

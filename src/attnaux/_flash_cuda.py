@@ -26,8 +26,13 @@ static configuration and cache it. What cuDNN does not give directly is done her
   causal, window and padding masks are in the modifier as well (also for a bias or dropout with
   bottom-right causal masking, which cuDNN's built-in mask does not combine with). Not with a
   bias: cuDNN's backward then gives a wrong bias gradient (`_SOFTCAP_BIAS_WHY`).
-- **Segment ids** are not served (`SEGMENT_IDS_ON_CUDNN`): the modifier (a select on
-  `q_segment_ids[i] == kv_segment_ids[j]`) is built and exact forward, wrong backward.
+- **Segment ids** go to cuDNN as a bias, `[B, 1|Hq, Sq, Skv]`: the call's bias (or 0) where
+  `q_segment_ids[i] == kv_segment_ids[j]`, -inf elsewhere; without a bias of the call it is a
+  constant and the backward writes no bias gradient. Measured on an H200 with cuDNN 9.19, this
+  beats a select in attnaux's score modifier (the forward through it was exact but 1.4x slower,
+  as the modifier turns off cuDNN's built-in causal masking, and cuDNN's backward applied it
+  wrongly: dQ, dK and dV off by O(1)). cuDNN's packed layout (ragged offsets) would need one
+  batch entry per segment, a data-dependent count.
 - **Rows with no visible key** (padding rows past `q_seqlens`, windows that see nothing, a query
   whose segment has no key): outputs are set to 0 / -inf here, the backward gets `lse = +inf` for
   them (so cuDNN's recomputed P is 0, never NaN) and zero cotangents, and their gradients are
@@ -40,9 +45,9 @@ cuDNN's workspace comes from XLA's FFI scratch allocator; `ATTNAUX_CUDNN_WORKSPA
 it an output buffer of the call instead, sized at trace time (for an XLA whose FFI offers no
 scratch allocator).
 
-Not served on GPU (`unavailable` says why; `auto` then uses `reference`): float32/float64 inputs,
-boolean `mask`, segment ids, softcap with a bias, `return_probs`, head dims that are not multiples
-of 8 in [8, 256], and any configuration cuDNN itself rejects (asked at trace time through
+Not served on GPU (`unavailable` says why; `auto` then picks another backend): float32/float64
+inputs, boolean `mask`, softcap with a bias, `return_probs`, head dims that are not multiples of 8
+in [8, 256], and any configuration cuDNN itself rejects (asked at trace time through
 `_ext_cuda.check_support`).
 """
 
@@ -67,19 +72,6 @@ _NOT_BUILT = "the CUDA toolkit, cuDNN or cudnn-frontend headers were not found a
 _EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
 _WORKSPACE_MODES = ("scratch", "output")
 
-SEGMENT_IDS_ON_CUDNN = False
-"""Whether segment ids go to cuDNN (attnaux's segment-id score modifier). Off: on cuDNN 9.19
-(H200) the forward through it is exact (out, lse, max and the dropout replay passed), but the fused
-backward applies the modifier's row/column id tensors wrongly (dK off by O(1) in every
-configuration tried), so segment ids run on another backend. Turn on to re-test a newer cuDNN
-with tests/test_gpu_flash.py."""
-_SEGMENT_IDS_WHY = (
-    "the cuDNN path does not serve segment ids: attnaux's segment-id score modifier is exact in "
-    "cuDNN 9.19's fused forward but its fused backward gets dK wrong (measured on an H200; "
-    "attnaux._flash_cuda.SEGMENT_IDS_ON_CUDNN), and cuDNN's own packing (ragged offsets) needs "
-    "one cuDNN batch entry per contiguous segment, a data-dependent count that a static graph "
-    "cannot take"
-)
 _SOFTCAP_BIAS_WHY = (
     "the cuDNN path does not serve softcap together with a bias: cuDNN 9.19's fused backward "
     "takes the bias gradient after the softcap derivative (dbias measured wrong on an H200), "
@@ -107,8 +99,9 @@ class Config(NamedTuple):
     with_max: bool
     softcap: float = 0.0
     dropout_rate: float = 0.0
-    segments: bool = False
+    segments: bool = False  # segment ids (in the bias): rows may see no key
     composite: bool = False  # forward: pin cuDNN's composite implementation (measurements only)
+    bias_grad: bool = True  # backward with a bias: write its gradient (off: the segment bias)
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -152,8 +145,6 @@ def unavailable(problem: Problem) -> str | None:
             "the cuDNN path does not serve a boolean `mask` (it would be a quadratic bias "
             "tensor; pass the structure as causal/window/seqlens where it has one)"
         )
-    if a.q_segment_ids is not None and not SEGMENT_IDS_ON_CUDNN:
-        return _SEGMENT_IDS_WHY
     if o.softcap > 0 and a.bias is not None:
         return _SOFTCAP_BIAS_WHY
     _, _, _, qk_dim = a.q.shape
@@ -165,8 +156,9 @@ def unavailable(problem: Problem) -> str | None:
     kv_seq, kv_heads = a.k.shape[1], a.k.shape[2]
     if 0 in (bsz, q_seq, kv_seq, q_heads):
         return None  # zero-sized: answered without cuDNN
-    cfg = _config(o, q_seq, kv_seq, with_max=True, segments=a.q_segment_ids is not None)
-    bias_b, bias_h = (0, 0) if a.bias is None else (a.bias.shape[0], a.bias.shape[1])
+    segments = a.q_segment_ids is not None
+    cfg = _config(o, q_seq, kv_seq, with_max=True, segments=segments, bias=a.bias is not None)
+    bias_b, bias_h = _bias_dims(a.bias, segments, bsz)
     why, _ = _check(cfg, dtype.name, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim,
                     bias_b, bias_h)
     return why or None
@@ -182,8 +174,8 @@ def _plan(cfg: "Config", backward: bool, dtype: str, bsz, q_heads, kv_heads, q_s
         _device_ordinal(), 0 if dtype == "bfloat16" else 1, bsz, q_heads, kv_heads, q_seq,
         kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
         cfg.window_right, _f32(cfg.scale), backward, cfg.with_max, try_f32_bias,
-        softcap=_f32(cfg.softcap), dropout=_f32(cfg.dropout_rate), segments=cfg.segments,
-        rng_dump=rng_dump, composite=cfg.composite,
+        softcap=_f32(cfg.softcap), dropout=_f32(cfg.dropout_rate), rng_dump=rng_dump,
+        composite=cfg.composite, bias_grad=cfg.bias_grad,
     )
 
 
@@ -192,9 +184,11 @@ def _check(cfg: "Config", dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_
            bias_b, bias_h) -> tuple[str, bool]:
     """Whether cuDNN serves the forward and the backward of this static configuration (asked once;
     the graphs stay cached, so the kernels find them): `(reason or "", bias in float32?)`. A bias
-    goes in float32 when both graphs take it so, else in the input dtype."""
+    goes in float32 when both graphs take it so, else in the input dtype; the segment bias of a
+    call without a bias (0 / -inf, exact in any dtype) always in the input dtype (half the bytes of
+    float32)."""
     shapes = (dtype, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim, bias_b, bias_h)
-    why, fwd_f32, _ = _plan(cfg, False, *shapes, True)
+    why, fwd_f32, _ = _plan(cfg, False, *shapes, cfg.bias_grad)
     if why:
         return why, True
     why, bwd_f32, _ = _plan(cfg, True, *shapes, fwd_f32)
@@ -223,7 +217,9 @@ def _workspace(cfg: "Config", backward: bool, q, k, v, bias,
 
 
 def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
-            segments: bool = False) -> Config:
+            segments: bool = False, bias: bool = False) -> Config:
+    """The static configuration of a call; `bias`: whether the call has a bias (without one, a
+    segment bias is a constant)."""
     return Config(
         scale=float(options.scale),
         causal=int(options.causal),
@@ -234,7 +230,26 @@ def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
         softcap=float(options.softcap),
         dropout_rate=float(options.dropout_rate),
         segments=bool(segments),
+        bias_grad=bool(bias) or not segments,
     )
+
+
+def _bias_dims(bias, segments: bool, bsz: int) -> tuple[int, int]:
+    """The batch and head dims of the bias cuDNN gets (0, 0 for none): segment ids make it
+    `[B, 1|Hq, Sq, Skv]`."""
+    bias_b, bias_h = (0, 0) if bias is None else (bias.shape[0], bias.shape[1])
+    return (bsz, max(bias_h, 1)) if segments else (bias_b, bias_h)
+
+
+def _segment_bias(q_seg, kv_seg, bias, dtype) -> jax.Array:
+    """The segment ids as a bias: `[B, 1|Hq, Sq, Skv]`, the call's `bias` (`[1|B, 1|Hq, Sq,
+    Skv]`, or None for 0) where `q_seg[b, i] == kv_seg[b, j]`, -inf elsewhere (P is 0 there)."""
+    same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]  # [B, 1, Sq, Skv]
+    if bias is None:
+        return jnp.where(same, jnp.asarray(0, dtype), jnp.asarray(-jnp.inf, dtype))
+    bsz, (_, bias_h, q_seq, kv_seq) = q_seg.shape[0], bias.shape
+    full = jnp.broadcast_to(bias, (bsz, bias_h, q_seq, kv_seq))
+    return jnp.where(same, full, jnp.asarray(-jnp.inf, dtype))
 
 
 def _attrs(cfg: Config) -> dict:
@@ -260,7 +275,7 @@ def _present(x: jax.Array) -> bool:
 # replayed mask).
 # ------------------------------------------------------------------------------------------------
 _BIAS = 3  # argument index of the bias
-_RNG = 8  # argument index of rng_state; every other argument is per batch element
+_RNG = 6  # argument index of rng_state; every other argument is per batch element
 
 
 def _map_sequentially(fn, in_batched, args):
@@ -327,7 +342,7 @@ def _fold_rule(fn, dbias_output: int | None):
 @functools.cache
 def _forward_call(cfg: Config):
     @custom_vmap
-    def forward(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
+    def forward(q, k, v, bias, q_len, kv_len, rng):
         bsz, q_seq, q_heads, _ = q.shape
         stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
         row_max = stats if cfg.with_max else jax.ShapeDtypeStruct((0,), jnp.float32)
@@ -337,7 +352,7 @@ def _forward_call(cfg: Config):
              jax.ShapeDtypeStruct((0,), jnp.float32), _workspace(cfg, False, q, k, v, bias)),
         )
         return tuple(
-            call(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng,
+            call(q, k, v, bias, q_len, kv_len, rng,
                  with_max=np.int32(cfg.with_max), composite=np.int32(cfg.composite),
                  rng_dump=np.int32(0), **_attrs(cfg))
         )[:3]
@@ -349,8 +364,9 @@ def _forward_call(cfg: Config):
 @functools.cache
 def _backward_call(cfg: Config):
     @custom_vmap
-    def backward(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng, out, dout, stats):
-        dbias = jax.ShapeDtypeStruct(bias.shape if _present(bias) else (0,), bias.dtype)
+    def backward(q, k, v, bias, q_len, kv_len, rng, out, dout, stats):
+        wanted = _present(bias) and cfg.bias_grad  # else dbias is (0,): no gradient written
+        dbias = jax.ShapeDtypeStruct(bias.shape if wanted else (0,), bias.dtype)
         call = jax.ffi.ffi_call(
             BWD_TARGET,
             (
@@ -361,7 +377,7 @@ def _backward_call(cfg: Config):
                 _workspace(cfg, True, q, k, v, bias),
             ),
         )
-        return tuple(call(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng, out, dout, stats,
+        return tuple(call(q, k, v, bias, q_len, kv_len, rng, out, dout, stats,
                           **_attrs(cfg)))[:4]
 
     backward.def_vmap(_fold_rule(backward, 3))
@@ -395,8 +411,8 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
-def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
-    out, stats, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng)
+def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
+    out, stats, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len, rng)
     if cfg.with_max:  # cuDNN gave Max and Sum_exp
         lse = row_max + jnp.log(stats)
     else:  # cuDNN gave its Stats (lse) alone
@@ -418,8 +434,8 @@ def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: Config, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng):
-    out, lse, row_max, _ = _forward(cfg, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng)
+def _core(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
+    out, lse, row_max, _ = _forward(cfg, q, k, v, bias, q_len, kv_len, rng)
     return out, lse, row_max
 
 
@@ -434,11 +450,11 @@ def _zero_cotangent(x) -> bool:
 
 
 def _core_bwd(cfg: Config, residuals, cotangents):
-    (q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng), out, stats = residuals
+    (q, k, v, bias, q_len, kv_len, rng), out, stats = residuals
     dout, dlse, _ = cotangents  # the row max carries no gradient
     no_out, no_lse = _zero_cotangent(dout), _zero_cotangent(dlse)
     if no_out and no_lse:
-        return (None,) * 9
+        return (None,) * 7
     dout = jnp.zeros_like(out) if no_out else dout.astype(out.dtype)
     if not no_lse:
         dlse = dlse.astype(jnp.float32)
@@ -451,7 +467,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
             dlse = jnp.where(visible, dlse, 0.0)
     call = _backward_call(cfg)
     extra = _EXTRA_COLUMNS
-    common = (q_len, kv_len, q_seg, kv_seg, rng)
+    common = (q_len, kv_len, rng)
     if no_lse:
         dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
     else:
@@ -475,7 +491,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
             dq1, dk1, _, dbias1 = call(q, k, v_1, bias, *common, o_1, do_1, stats)
             dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
             dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
-            if _present(bias):
+            if _present(dbias):
                 dbias = (dbias.astype(jnp.float32) + dbias1.astype(jnp.float32)).astype(bias.dtype)
     if cfg.padding:
         q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
@@ -485,7 +501,8 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         dv = jnp.where(kv_rows, dv, 0)
         # dbias needs nothing: cuDNN's dS is 0 at padded rows (lse = +inf) and masked keys, and
         # the handler zeroes dbias first in case cuDNN skips them.
-    return (dq, dk, dv, dbias if _present(bias) else None, None, None, None, None, None)
+    # no gradient for a constant bias (the segment bias of a call without one)
+    return (dq, dk, dv, dbias if _present(dbias) else None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
@@ -532,21 +549,26 @@ def flash_attention_cuda(
 
         arrays = zero_hidden_rows(arrays, options)
         q, k, v = arrays.q, arrays.k, arrays.v
-    cfg = _config(options, q_seq, kv_seq, with_max=with_max, segments=segments)
+    cfg = _config(options, q_seq, kv_seq, with_max=with_max, segments=segments,
+                  bias=arrays.bias is not None)
     cfg = cfg._replace(composite=bool(composite))
     bias = arrays.bias
-    if bias is None:
+    if bias is None and not segments:
         bias = jnp.zeros((0,), jnp.float32)
     else:  # cuDNN broadcasts batch and heads; the sequence dims are materialised
         served = cfg._replace(with_max=True, composite=False)  # the graphs `unavailable` built
         _, bias_f32 = _check(served, jnp.dtype(q.dtype).name, bsz, q_heads, k.shape[2], q_seq,
-                             kv_seq, q.shape[-1], v_dim, bias.shape[0], bias.shape[1])
+                             kv_seq, q.shape[-1], v_dim, *_bias_dims(bias, segments, bsz))
         # float32 when cuDNN takes it, else rounded to the input dtype (its gradient comes back
         # in that dtype and flows to the float32 bias through the cast)
-        bias = jnp.broadcast_to(
-            bias.astype(jnp.float32 if bias_f32 else q.dtype),
-            (bias.shape[0], bias.shape[1], q_seq, kv_seq),
-        )
+        dtype = jnp.float32 if bias_f32 else q.dtype
+        if bias is not None:
+            bias = jnp.broadcast_to(
+                bias.astype(dtype), (bias.shape[0], bias.shape[1], q_seq, kv_seq)
+            )
+        if segments:  # (its gradient flows to the call's bias through the selection)
+            bias = _segment_bias(arrays.q_segment_ids.astype(jnp.int32),
+                                 arrays.kv_segment_ids.astype(jnp.int32), bias, dtype)
     q_len = jnp.clip(arrays.q_seqlens.astype(jnp.int32), 0, q_seq)
     kv_len = jnp.clip(arrays.kv_seqlens.astype(jnp.int32), 0, kv_seq)
     if cfg.padding:
@@ -557,11 +579,8 @@ def flash_attention_cuda(
         q = jnp.where(q_rows, q, 0)
         k = jnp.where(kv_rows, k, 0)
         v = jnp.where(kv_rows, v, 0)
-    absent = jnp.zeros((0,), jnp.int32)
-    q_seg = arrays.q_segment_ids.astype(jnp.int32) if segments else absent
-    kv_seg = arrays.kv_segment_ids.astype(jnp.int32) if segments else absent
     rng = arrays.rng_state if cfg.dropout_rate > 0 else jnp.zeros((0,), jnp.uint32)
-    out, lse, row_max = _core(cfg, q, k, v, bias, q_len, kv_len, q_seg, kv_seg, rng)
+    out, lse, row_max = _core(cfg, q, k, v, bias, q_len, kv_len, rng)
     if arrays.sink is not None:
         out, lse = _with_sink(out, lse, arrays.sink)
     return out, lse, row_max
@@ -605,8 +624,7 @@ def cudnn_dropout_keep_mask(
         vmap_method="sequential",
     )
     lens = jnp.zeros((batch,), jnp.int32)
-    absent = jnp.zeros((0,), jnp.int32)
-    dump = call(q, k, k, bias, lens, lens, absent, absent,
-                jnp.asarray(rng_state, jnp.uint32), with_max=np.int32(1), composite=np.int32(0),
-                rng_dump=np.int32(1), **_attrs(cfg))[3]
+    dump = call(q, k, k, bias, lens, lens, jnp.asarray(rng_state, jnp.uint32),
+                with_max=np.int32(1), composite=np.int32(0), rng_dump=np.int32(1),
+                **_attrs(cfg))[3]
     return dump > 0.5
