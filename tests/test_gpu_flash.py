@@ -122,9 +122,15 @@ CASES = [
     ("segments_bottom_right_seqlens", 4, 96, 128, 4, 4, 64, 64,
      dict(segments=2, causal="bottom_right", q_seqlens="rand", kv_seqlens="rand")),
     ("segments_d256", 1, 128, 128, 2, 2, 256, 256, dict(segments=3, causal=True)),
+    # boolean masks: a constant 0 / -inf bias, or folded into the call's bias
+    ("mask_full", 2, 128, 128, 4, 4, 64, 64, dict(mask="BHQK")),
+    ("mask_shared_causal_gqa", 2, 128, 128, 8, 2, 64, 64, dict(mask="QK", causal=True)),
+    ("mask_row_broadcast_seqlens", 4, 128, 96, 4, 4, 64, 64,
+     dict(mask="BH1K", q_seqlens="rand", kv_seqlens="rand")),
+    ("mask_bias_segments", 2, 128, 128, 4, 4, 64, 64, dict(mask="B1QK", bias="bHQK", segments=2)),
 ]
 F16_CASES = {"plain", "causal", "bottom_right", "bias_full", "seqlens", "window_causal", "d256",
-             "softcap_causal_gqa", "sink", "segments_causal_gqa"}
+             "softcap_causal_gqa", "sink", "segments_causal_gqa", "mask_full"}
 PARAMS = [pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bf16") for c in CASES] + [
     pytest.param(c, jnp.float16, id=f"{c[0]}-f16") for c in CASES if c[0] in F16_CASES
 ]
@@ -165,7 +171,7 @@ def test_parity_with_reference(case, dtype):
 
 @pytest.mark.parametrize(
     "name", ["plain", "causal", "bias_heads", "seqlens", "window_two_sided", "d256", "segments",
-             "segments_bias_shared"]
+             "segments_bias_shared", "mask_bias_segments"]
 )
 def test_gradients_without_lse_cotangent(name):
     """Only `out` in the loss: the backward runs with no lse term (symbolic zero)."""
@@ -247,13 +253,6 @@ def test_not_served_on_gpu_goes_to_reference():
     with pytest.raises(ValueError, match="flash"):
         attnaux.attention(q, k, v, backend="flash")
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    mask = jnp.ones((64, 64), bool)
-    ex = attnaux.explain(qb, kb, vb, mask=mask)
-    assert ex.backend != "flash" and "mask" in ex.reasons["flash"], ex.reasons["flash"]
-    with pytest.raises(ValueError, match="mask"):
-        attnaux.attention(qb, kb, vb, mask=mask, backend="flash")
-    out, aux = attnaux.attention(qb, kb, vb, mask=mask)  # auto still works
-    assert aux.backend != "flash"
     for opts, words in (
         (dict(softcap=5.0, bias=jnp.zeros((64, 64))), ("softcap", "bias gradient")),
     ):
@@ -262,13 +261,15 @@ def test_not_served_on_gpu_goes_to_reference():
         assert all(w in ex.reasons["flash"] for w in words), ex.reasons["flash"]
         with pytest.raises(ValueError, match=words[0]):
             attnaux.attention(qb, kb, vb, backend="flash", **opts)
+        out, aux = attnaux.attention(qb, kb, vb, **opts)  # auto still works
+        assert aux.backend != "flash"
     qo, ko, vo = make_inputs(0, 1, 64, 64, 2, 2, 60, 60, jnp.bfloat16)
     assert "multiples of 8" in attnaux.explain(qo, ko, vo).reasons["flash"]
 
 
 def test_served_on_gpu():
-    """softcap, sink, dropout, segment ids and a bias with bottom-right causal masking run on
-    cuDNN."""
+    """softcap, sink, dropout, segment ids, a boolean mask and a bias with bottom-right causal
+    masking run on cuDNN."""
     q, k, v = make_inputs(0, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
     key = jax.random.key(0)
     for opts in (
@@ -278,6 +279,7 @@ def test_served_on_gpu():
         dict(bias=jnp.zeros((64, 64)), causal="bottom_right"),
         dict(dropout_rate=0.1, key=key, causal=True, softcap=3.0),
         dict(q_segment_ids=jnp.zeros((1, 64), jnp.int32)),
+        dict(mask=jnp.ones((64, 64), bool)),
     ):
         ex = attnaux.explain(q, k, v, **opts)
         assert ex.backend == "flash", (opts, ex.reasons["flash"])
@@ -372,6 +374,7 @@ DROPOUT_CASES = [
     ("softcap_bottom_right", 2, 96, 160, 4, 4, 64, 64,
      dict(softcap=4.0, scale=0.5, causal="bottom_right")),
     ("segments_sink", 2, 128, 128, 4, 4, 64, 64, dict(segments=3, sink=True)),
+    ("mask", 2, 128, 128, 4, 4, 64, 64, dict(mask="B1QK")),
     ("d256", 1, 128, 128, 2, 2, 256, 256, dict(causal=True)),
 ]
 

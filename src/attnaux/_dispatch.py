@@ -193,7 +193,7 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
                     f"{probs_limit})"
                 )
         elif probs_no is None and platform == "gpu":
-            # cuDNN cannot serve the call (float32, a boolean mask, ...): on GPU the probs
+            # cuDNN cannot serve the call (float32, softcap with a bias, ...): on GPU the probs
             # backend (cuBLAS GEMMs + one fused CUDA softmax) is faster than the reference path,
             # which runs float32 GEMMs and several elementwise passes over the scores.
             chosen = "probs"

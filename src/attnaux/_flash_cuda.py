@@ -26,9 +26,11 @@ static configuration and cache it. What cuDNN does not give directly is done her
   causal, window and padding masks are in the modifier as well (also for a bias or dropout with
   bottom-right causal masking, which cuDNN's built-in mask does not combine with). Not with a
   bias: cuDNN's backward then gives a wrong bias gradient (`_SOFTCAP_BIAS_WHY`).
-- **Segment ids** go to cuDNN as a bias, `[B, 1|Hq, Sq, Skv]`: the call's bias (or 0) where
-  `q_segment_ids[i] == kv_segment_ids[j]`, -inf elsewhere; without a bias of the call it is a
-  constant and the backward writes no bias gradient. Measured on an H200 with cuDNN 9.19, this
+- **Segment ids and a boolean mask** go to cuDNN as a bias, `[1|B, 1|Hq, Sq, Skv]`: the call's
+  bias (or 0) where the mask is True and `q_segment_ids[i] == kv_segment_ids[j]`, -inf
+  elsewhere; without a bias of the call it is a constant (in the input dtype, where 0 and -inf
+  are exact) and the backward writes no bias gradient. For segment ids, measured on an H200 with
+  cuDNN 9.19, this
   beats a select in attnaux's score modifier (the forward through it was exact but 1.4-1.5x
   slower at 8x1024x16x128, and cuDNN's backward applied it wrongly: dQ, dK and dV off by O(1)).
   cuDNN's packed layout (ragged offsets) would need one batch entry per segment, a
@@ -46,7 +48,7 @@ it an output buffer of the call instead, sized at trace time (for an XLA whose F
 scratch allocator).
 
 Not served on GPU (`unavailable` says why; `auto` then picks another backend): float32/float64
-inputs, boolean `mask`, softcap with a bias, `return_probs`, head dims that are not multiples of 8
+inputs, softcap with a bias, `return_probs`, head dims that are not multiples of 8
 in [8, 256], and any configuration cuDNN itself rejects (asked at trace time through
 `_ext_cuda.check_support`).
 """
@@ -99,9 +101,9 @@ class Config(NamedTuple):
     with_max: bool
     softcap: float = 0.0
     dropout_rate: float = 0.0
-    segments: bool = False  # segment ids (in the bias): rows may see no key
+    masked: bool = False  # a boolean mask or segment ids (in the bias): rows may see no key
     composite: bool = False  # forward: pin cuDNN's composite implementation (measurements only)
-    bias_grad: bool = True  # backward with a bias: write its gradient (off: the segment bias)
+    bias_grad: bool = True  # backward with a bias: write its gradient (off: a mask-only bias)
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -140,11 +142,6 @@ def unavailable(problem: Problem) -> str | None:
             f"cuDNN fused attention takes bfloat16 or float16 inputs, got {dtype.name} "
             "(cast q, k and v to bfloat16 to use it)"
         )
-    if a.mask is not None:
-        return (
-            "the cuDNN path does not serve a boolean `mask` (it would be a quadratic bias "
-            "tensor; pass the structure as causal/window/seqlens where it has one)"
-        )
     if o.softcap > 0 and a.bias is not None:
         return _SOFTCAP_BIAS_WHY
     _, _, _, qk_dim = a.q.shape
@@ -156,9 +153,9 @@ def unavailable(problem: Problem) -> str | None:
     kv_seq, kv_heads = a.k.shape[1], a.k.shape[2]
     if 0 in (bsz, q_seq, kv_seq, q_heads):
         return None  # zero-sized: answered without cuDNN
-    segments = a.q_segment_ids is not None
-    cfg = _config(o, q_seq, kv_seq, with_max=True, segments=segments, bias=a.bias is not None)
-    bias_b, bias_h = _bias_dims(a.bias, segments, bsz)
+    masked = a.q_segment_ids is not None or a.mask is not None
+    cfg = _config(o, q_seq, kv_seq, with_max=True, masked=masked, bias=a.bias is not None)
+    bias_b, bias_h = _bias_dims(a, bsz)
     why, _ = _check(cfg, dtype.name, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim,
                     bias_b, bias_h)
     return why or None
@@ -184,9 +181,9 @@ def _check(cfg: "Config", dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_
            bias_b, bias_h) -> tuple[str, bool]:
     """Whether cuDNN serves the forward and the backward of this static configuration (asked once;
     the graphs stay cached, so the kernels find them): `(reason or "", bias in float32?)`. A bias
-    goes in float32 when both graphs take it so, else in the input dtype; the segment bias of a
-    call without a bias (0 / -inf, exact in any dtype) always in the input dtype (half the bytes of
-    float32)."""
+    goes in float32 when both graphs take it so, else in the input dtype; the bias made of a mask
+    or segment ids alone (0 / -inf, exact in any dtype) always in the input dtype (half the bytes
+    of float32)."""
     shapes = (dtype, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim, bias_b, bias_h)
     why, fwd_f32, _ = _plan(cfg, False, *shapes, cfg.bias_grad)
     if why:
@@ -217,9 +214,9 @@ def _workspace(cfg: "Config", backward: bool, q, k, v, bias,
 
 
 def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
-            segments: bool = False, bias: bool = False) -> Config:
-    """The static configuration of a call; `bias`: whether the call has a bias (without one, a
-    segment bias is a constant)."""
+            masked: bool = False, bias: bool = False) -> Config:
+    """The static configuration of a call; `masked`: a boolean mask or segment ids, `bias`:
+    whether the call has a bias (without one, the bias made of the mask is a constant)."""
     return Config(
         scale=float(options.scale),
         causal=int(options.causal),
@@ -229,27 +226,37 @@ def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
         with_max=bool(with_max),
         softcap=float(options.softcap),
         dropout_rate=float(options.dropout_rate),
-        segments=bool(segments),
-        bias_grad=bool(bias) or not segments,
+        masked=bool(masked),
+        bias_grad=bool(bias) or not masked,
     )
 
 
-def _bias_dims(bias, segments: bool, bsz: int) -> tuple[int, int]:
-    """The batch and head dims of the bias cuDNN gets (0, 0 for none): segment ids make it
-    `[B, 1|Hq, Sq, Skv]`."""
-    bias_b, bias_h = (0, 0) if bias is None else (bias.shape[0], bias.shape[1])
-    return (bsz, max(bias_h, 1)) if segments else (bias_b, bias_h)
+def _bias_dims(a: Canonical, bsz: int) -> tuple[int, int]:
+    """The batch and head dims (1 or full) of the bias cuDNN gets, `(0, 0)` for none: the call's
+    bias, with the boolean mask and the segment ids folded in."""
+    parts = [x.shape[:2] for x in (a.bias, a.mask) if x is not None]
+    if a.q_segment_ids is not None:
+        parts.append((bsz, 1))
+    if not parts:
+        return 0, 0
+    return max(p[0] for p in parts), max(p[1] for p in parts)
 
 
-def _segment_bias(q_seg, kv_seg, bias, dtype) -> jax.Array:
-    """The segment ids as a bias: `[B, 1|Hq, Sq, Skv]`, the call's `bias` (`[1|B, 1|Hq, Sq,
-    Skv]`, or None for 0) where `q_seg[b, i] == kv_seg[b, j]`, -inf elsewhere (P is 0 there)."""
-    same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]  # [B, 1, Sq, Skv]
+def _masked_bias(a: Canonical, bias, dtype, bsz: int, q_seq: int, kv_seq: int) -> jax.Array:
+    """The boolean mask and the segment ids as a bias (`_bias_dims`' dims, `dtype`): `bias`
+    (`[1|B, 1|Hq, Sq, Skv]`, or None for 0) where the mask is True and `q_segment_ids[b, i] ==
+    kv_segment_ids[b, j]`, -inf elsewhere (cuDNN's P is 0 there)."""
+    keep = a.mask
+    if a.q_segment_ids is not None:
+        q_seg, kv_seg = (x.astype(jnp.int32) for x in (a.q_segment_ids, a.kv_segment_ids))
+        same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]  # [B, 1, Sq, Skv]
+        keep = same if keep is None else keep & same
+    shape = (*_bias_dims(a, bsz), q_seq, kv_seq)
+    keep = jnp.broadcast_to(keep, shape)
+    hidden = jnp.asarray(-jnp.inf, dtype)
     if bias is None:
-        return jnp.where(same, jnp.asarray(0, dtype), jnp.asarray(-jnp.inf, dtype))
-    bsz, (_, bias_h, q_seq, kv_seq) = q_seg.shape[0], bias.shape
-    full = jnp.broadcast_to(bias, (bsz, bias_h, q_seq, kv_seq))
-    return jnp.where(same, full, jnp.asarray(-jnp.inf, dtype))
+        return jnp.where(keep, jnp.asarray(0, dtype), hidden)
+    return jnp.where(keep, jnp.broadcast_to(bias, shape), hidden)
 
 
 def _attrs(cfg: Config) -> dict:
@@ -388,8 +395,8 @@ def _backward_call(cfg: Config):
 # Rows with no visible key
 # ------------------------------------------------------------------------------------------------
 def _visible_rows(cfg: Config, q_len, kv_len, q_seq: int) -> jax.Array:
-    """`[B, Sq]` bool: query row i is real (i < q_len) and sees at least one key (segment ids
-    aside: those are judged from cuDNN's row max)."""
+    """`[B, Sq]` bool: query row i is real (i < q_len) and sees at least one key (the mask and
+    the segment ids aside: those are judged from cuDNN's row max)."""
     i = jnp.arange(q_seq, dtype=jnp.int32)[None, :]
     ql, kl = q_len[:, None], kv_len[:, None]
     off = kl - ql if cfg.causal == 2 else jnp.zeros_like(ql)
@@ -418,13 +425,13 @@ def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
     else:  # cuDNN gave its Stats (lse) alone
         lse = row_max = stats
     stats = lse
-    if cfg.padding or cfg.segments:
+    if cfg.padding or cfg.masked:
         r = jnp.ones(lse.shape, bool)
         if cfg.padding:
             r &= _visible_rows(cfg, q_len, kv_len, q.shape[1])[:, None, :]
-        if cfg.segments:
-            # A query whose segment has no visible key: cuDNN's row max stays -inf (NaN counts
-            # as not seen as well).
+        if cfg.masked:
+            # A query that the mask or its segment leaves no key: cuDNN's row max stays -inf
+            # (NaN counts as not seen as well).
             r &= row_max > -jnp.inf
         out = jnp.where(r.transpose(0, 2, 1)[..., None], out, 0)
         stats = jnp.where(r, lse, jnp.inf)  # recomputed P = exp(s - inf) = 0 for such rows
@@ -460,7 +467,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         dlse = dlse.astype(jnp.float32)
     bsz, q_seq, q_heads, _ = q.shape
     kv_seq, v_dim = k.shape[1], v.shape[-1]
-    if cfg.padding or cfg.segments:
+    if cfg.padding or cfg.masked:
         visible = stats < jnp.inf  # [B, Hq, Sq]: the forward set +inf for rows seeing nothing
         dout = jnp.where(visible.transpose(0, 2, 1)[..., None], dout, 0)
         if not no_lse:
@@ -501,7 +508,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         dv = jnp.where(kv_rows, dv, 0)
         # dbias needs nothing: cuDNN's dS is 0 at padded rows (lse = +inf) and masked keys, and
         # the handler zeroes dbias first in case cuDNN skips them.
-    # no gradient for a constant bias (the segment bias of a call without one)
+    # no gradient for a constant bias (made of a mask or segment ids alone)
     return (dq, dk, dv, dbias if _present(dbias) else None, None, None, None)
 
 
@@ -541,24 +548,24 @@ def flash_attention_cuda(
         if arrays.sink is not None:
             out, lse = _with_sink(out, none, arrays.sink)
         return out, lse, none
-    segments = arrays.q_segment_ids is not None
-    if segments:
-        # Rows hidden by the segment ids still enter cuDNN's products with weight 0 (0 * NaN):
-        # zero them first, as the CPU kernels do.
+    masked = arrays.q_segment_ids is not None or arrays.mask is not None
+    if masked:
+        # Rows hidden by the mask or the segment ids still enter cuDNN's products with weight 0
+        # (0 * NaN): zero them first, as the CPU kernels do.
         from ._flash import zero_hidden_rows
 
         arrays = zero_hidden_rows(arrays, options)
         q, k, v = arrays.q, arrays.k, arrays.v
-    cfg = _config(options, q_seq, kv_seq, with_max=with_max, segments=segments,
+    cfg = _config(options, q_seq, kv_seq, with_max=with_max, masked=masked,
                   bias=arrays.bias is not None)
     cfg = cfg._replace(composite=bool(composite))
     bias = arrays.bias
-    if bias is None and not segments:
+    if bias is None and not masked:
         bias = jnp.zeros((0,), jnp.float32)
     else:  # cuDNN broadcasts batch and heads; the sequence dims are materialised
         served = cfg._replace(with_max=True, composite=False)  # the graphs `unavailable` built
         _, bias_f32 = _check(served, jnp.dtype(q.dtype).name, bsz, q_heads, k.shape[2], q_seq,
-                             kv_seq, q.shape[-1], v_dim, *_bias_dims(bias, segments, bsz))
+                             kv_seq, q.shape[-1], v_dim, *_bias_dims(arrays, bsz))
         # float32 when cuDNN takes it, else rounded to the input dtype (its gradient comes back
         # in that dtype and flows to the float32 bias through the cast)
         dtype = jnp.float32 if bias_f32 else q.dtype
@@ -566,9 +573,8 @@ def flash_attention_cuda(
             bias = jnp.broadcast_to(
                 bias.astype(dtype), (bias.shape[0], bias.shape[1], q_seq, kv_seq)
             )
-        if segments:  # (its gradient flows to the call's bias through the selection)
-            bias = _segment_bias(arrays.q_segment_ids.astype(jnp.int32),
-                                 arrays.kv_segment_ids.astype(jnp.int32), bias, dtype)
+        if masked:  # (its gradient flows to the call's bias through the selection)
+            bias = _masked_bias(arrays, bias, dtype, bsz, q_seq, kv_seq)
     q_len = jnp.clip(arrays.q_seqlens.astype(jnp.int32), 0, q_seq)
     kv_len = jnp.clip(arrays.kv_seqlens.astype(jnp.int32), 0, kv_seq)
     if cfg.padding:
