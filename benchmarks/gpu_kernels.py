@@ -13,8 +13,8 @@
   adds the backward's q, k, v, dout and P read and dq, dk, dv written (k and v are read twice:
   the backward is a separate kernel).
 - probs (XLA GEMMs around attnaux's CUDA softmax) against `reference` and `flash` at
-  4x256x8x64, 4x512x8x64 and 16x512x16x64 bf16, plus a boolean-mask row (which cuDNN does not
-  serve, so there `auto` picks probs on GPU).
+  4x256x8x64, 4x512x8x64 and 16x512x16x64 bf16, plus a boolean-mask row (`flash` takes the mask
+  as a 0 / -inf bias).
 
 Timing: jitted, 3 warm-up calls, then the best of 5 rounds of the mean of 10 back-to-back calls.
 """
