@@ -30,10 +30,9 @@ static configuration and cache it. What cuDNN does not give directly is done her
   bias (or 0) where the mask is True and `q_segment_ids[i] == kv_segment_ids[j]`, -inf
   elsewhere; without a bias of the call it is a constant (in the input dtype, where 0 and -inf
   are exact) and the backward writes no bias gradient. For segment ids, measured on an H200 with
-  cuDNN 9.19, this
-  beats a select in attnaux's score modifier (the forward through it was exact but 1.4-1.5x
-  slower at 8x1024x16x128, and cuDNN's backward applied it wrongly: dQ, dK and dV off by O(1)).
-  cuDNN's packed layout (ragged offsets) would need one batch entry per segment, a
+  cuDNN 9.19, this beats a select in attnaux's score modifier (the forward through it was exact
+  but 1.4-1.5x slower at 8x1024x16x128, and cuDNN's backward applied it wrongly: dQ, dK and dV
+  off by O(1)). cuDNN's packed layout (ragged offsets) would need one batch entry per segment, a
   data-dependent count.
 - **Rows with no visible key** (padding rows past `q_seqlens`, windows that see nothing, a query
   whose segment has no key): outputs are set to 0 / -inf here, the backward gets `lse = +inf` for
