@@ -107,9 +107,8 @@ CASES = [
     ("sink_causal_seqlens", 6, 96, 96, 4, 2, 64, 64,
      dict(sink=True, causal=True, q_seqlens="edges", kv_seqlens="edges")),
     ("sink_softcap_d256", 1, 128, 128, 2, 2, 256, 256, dict(sink=True, softcap=5.0, causal=True)),
-    # segment ids: a select in attnaux's score modifier forward, a constant [B, 1, Sq, Skv] bias
-    # backward; sorted random runs, so some segments are empty on one side (rows with no visible
-    # key)
+    # segment ids: a constant [B, 1, Sq, Skv] bias (0 / -inf) for cuDNN; sorted random runs, so
+    # some segments are empty on one side (rows with no visible key)
     ("segments", 2, 128, 128, 4, 4, 64, 64, dict(segments=3)),
     ("segments_causal_gqa", 2, 128, 128, 8, 2, 64, 64, dict(segments=4, causal=True)),
     ("segments_cross_bias_sink", 2, 96, 128, 4, 4, 64, 64,
@@ -287,8 +286,8 @@ def test_served_on_gpu():
 
 
 def test_vmap_segments_matches_reference():
-    """vmap over calls with segment ids and a bias shared by the batch (the backward's segment
-    bias is folded with the mapped axis, the bias gradient summed back)."""
+    """vmap over calls with segment ids and a bias shared by the batch (the bias that folds the
+    segments in is folded with the mapped axis, the bias gradient summed back)."""
     q, k, v = make_inputs(4, (3, 2), 96, 96, 4, 2, 64, 64, jnp.bfloat16)
     rng = np.random.default_rng(1)
     seg = jnp.asarray(np.sort(rng.integers(0, 3, (3, 2, 96)), axis=-1), jnp.int32)
