@@ -454,6 +454,43 @@ def test_output_and_stats_dtypes(backend, dtype):
     assert aux.backend == backend and aux.probs is None and aux.rng_state is None
 
 
+USAGE_CASES = [
+    case("mask-BHQK-gqa", sq=5, skv=11, mask="BHQK"),
+    case("mask-bHQK", sq=6, skv=6, mask="bHQK"),
+    case("mask-B11K", sq=4, skv=9, mask="B11K"),
+    case("segments", sq=7, skv=7, segments=3),
+    case("segments-bottom_right-seqlens", sq=6, skv=10, segments=2, causal="bottom_right",
+         kv_seqlens="edges"),
+    case("mask-QK-window-seqlens", sq=8, skv=8, mask="QK", window=(2, 1), q_seqlens="rand"),
+    case("mask-BHQK-mqa", sq=3, skv=5, hq=4, hkv=1, mask="BHQK", seed=4),
+]
+
+
+@pytest.mark.parametrize("block", [3, 512], ids=["blocks-of-3", "one-block"])
+@pytest.mark.parametrize("shape,opts", USAGE_CASES)
+def test_row_usage_matches_oracle(shape, opts, block, monkeypatch):
+    """`_flash._usage`: which q rows and which k/v rows take part in at least one visible pair
+    (the rows `zero_hidden_rows` keeps), computed a block of keys at a time (several blocks, the
+    last one partial, and a single block), against the oracle's per-row visibility."""
+    from attnaux import _flash
+    from attnaux._canon import canonicalize
+
+    monkeypatch.setattr(_flash, "_USAGE_BLOCK", block)
+    q, k, v, options = build(shape, opts)
+    problem = canonicalize(q, k, v, **options)
+    q_rows, kv_rows = _flash._usage(problem.arrays, problem.options)
+    names = ("scale", "bias", "mask", "causal", "window", "q_seqlens", "kv_seqlens",
+             "q_segment_ids", "kv_segment_ids", "sink")
+    p = oracle._parse(q, k, v, *(options.get(n, False if n == "causal" else None) for n in names))
+    nb, sq, skv, hq, group = p["nb"], p["sq"], p["skv"], p["hq"], p["group"]
+    vis = np.array([[[oracle._visible_row(p, b, h, i) for i in range(sq)] for h in range(hq)]
+                    for b in range(nb)]).reshape(nb, hq, sq, skv)
+    want_q = vis.any(axis=3).transpose(0, 2, 1)  # [B, Sq, Hq]
+    want_kv = vis.reshape(nb, hq // group, group, sq, skv).any(axis=(2, 3)).transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(q_rows), want_q.shape), want_q)
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(kv_rows), want_kv.shape), want_kv)
+
+
 # ------------------------------------------------------------------------------------------------
 # The oracle itself, against closed forms
 # ------------------------------------------------------------------------------------------------
