@@ -45,20 +45,13 @@ bandwidth.
 achieved GB/s = bytes / best time / 1e9; fraction = achieved / copy GB/s, against the highest
 copy figure of the run. Because a shared VM's bandwidth drifts by tens of percent within seconds,
 `small_seq`'s fraction is also measured paired: five rounds of (copy, then small_seq), each the
-best of 3 calls, and the median of the five per-round fractions. The paired fraction is measured
-twice: in this process, and in a child process run with glibc told to keep freed memory
-(`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...`), where XLA's output
-buffers reuse pages already mapped instead of fresh ones. The difference between the two is the
-cost of fresh output pages, which the kernel does not choose (`--no-child` skips the child).
-Progress goes to stderr, markdown tables to stdout.
+best of 3 calls, and the median of the five per-round fractions (with their range). Progress goes
+to stderr, markdown tables to stdout.
 """
 
 import argparse
-import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
@@ -157,21 +150,9 @@ def _best_of_rounds(cands, make, repeats, rounds=2):
     return best
 
 
-# glibc keeps freed memory for reuse: no allocation gets its own mapping, none is returned.
-KEEP_FREED_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-
-
-def small_seq_case(s, passes, batch, heads, dim):
-    """The jitted small_seq pass and its arguments at kv_seq `s`."""
-    q, k, v, dout = inputs(batch, 1, s, heads, dim)
-    f = _attnaux("small_seq")
-    if passes == "fwd":
-        return jax.jit(f), (q, k, v)
-    return jax.jit(_fwd_bwd(f)), (q, k, v, dout)
-
-
 def paired_fraction(fn, args, nbytes, rounds=5, repeats=3):
-    """Median over `rounds` of (small_seq GB/s / copy GB/s), the copy measured just before."""
+    """(median, min, max) over `rounds` of small_seq GB/s / copy GB/s, the copy measured just
+    before."""
     fractions = []
     for _ in range(rounds):
         copy = copy_bandwidth(repeats)
@@ -180,28 +161,7 @@ def paired_fraction(fn, args, nbytes, rounds=5, repeats=3):
     return statistics.median(fractions), min(fractions), max(fractions)
 
 
-def paired_fractions(kvs, batch, heads, dim):
-    """{(kv_seq, pass): (median, min, max)} of small_seq's paired fraction of the copy."""
-    out = {}
-    for s in kvs:
-        for passes in ("fwd", "fwd+bwd"):
-            fn, args = small_seq_case(s, passes, batch, heads, dim)
-            out[(s, passes)] = paired_fraction(fn, args, small_seq_bytes(batch, s, heads, dim, passes))
-            del fn, args
-    return out
-
-
-def paired_fractions_kept_memory(kvs, batch, heads, dim):
-    """paired_fractions, measured in a child process whose glibc keeps freed memory."""
-    env = dict(os.environ, GLIBC_TUNABLES=KEEP_FREED_MEMORY)
-    cmd = [sys.executable, os.path.abspath(__file__), "--paired-json", "--batch", str(batch),
-           "--kv", *map(str, kvs)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
-    return {(s, passes): tuple(f) for s, passes, f in rows}
-
-
-def bench_small_seq(kvs, repeats, batch=30720, heads=8, dim=128, child=True):
+def bench_small_seq(kvs, repeats, batch=30720, heads=8, dim=128):
     cands = {
         "small_seq": _attnaux("small_seq"),
         "flash": _attnaux("flash"),
@@ -221,40 +181,31 @@ def bench_small_seq(kvs, repeats, batch=30720, heads=8, dim=128, child=True):
                     return jax.jit(f), arrays[:3]
                 return jax.jit(_fwd_bwd(f)), arrays
 
-            rows.append((s, passes, _best_of_rounds(cands, make, repeats)))
+            best = _best_of_rounds(cands, make, repeats)
+            _log(f"small_seq kv={s} {passes}: paired fraction of the copy")
+            fn, args = make(cands["small_seq"])
+            nbytes = small_seq_bytes(batch, s, heads, dim, passes)
+            rows.append((s, passes, best, paired_fraction(fn, args, nbytes)))
     _log("copy bandwidth (end)")
     copies.append(copy_bandwidth(repeats))
     copy_gbs = max(copies)
-    del q, k, v, dout
-    _log("paired fractions")
-    paired = paired_fractions(kvs, batch, heads, dim)
-    kept = {}
-    if child:
-        _log("paired fractions, freed memory kept (child process)")
-        kept = paired_fractions_kept_memory(kvs, batch, heads, dim)
     print(f"\n## small_seq: batch {batch}, q_seq 1, {heads} heads, head dim {dim}, float32\n")
     print(f"copy bandwidth (jitted, donated x + 1 over 512 MiB): {copy_gbs:.1f} GB/s, the "
           f"highest of {len(copies)} measurements through the run "
           f"({min(copies):.1f} to {max(copies):.1f})\n")
     header = ["kv_seq", "pass"] + [f"{n} ms" for n in cands] + [
         "speed-up vs best other", "small_seq GB/s", "fraction of best copy",
-        "paired fraction (min-max)", "paired, freed memory kept",
-        "small_seq CPU ms (user / sys)"]
+        "paired fraction (min-max)", "small_seq CPU ms (user / sys)"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for s, passes, times in rows:
+    for s, passes, times, paired in rows:
         t_ss, user, system = times["small_seq"]
         other = min(t[0] for n, t in times.items() if n != "small_seq")
         gbs = small_seq_bytes(batch, s, heads, dim, passes) / t_ss / 1e9
         row = [str(s), passes] + [f"{1e3 * times[n][0]:.1f}" for n in cands] + [
             f"{other / t_ss:.2f}x", f"{gbs:.1f}", f"{gbs / copy_gbs:.2f}",
-            _fraction(paired.get((s, passes))), _fraction(kept.get((s, passes))),
-            f"{1e3 * user:.0f} / {1e3 * system:.0f}"]
+            "{:.2f} ({:.2f}-{:.2f})".format(*paired), f"{1e3 * user:.0f} / {1e3 * system:.0f}"]
         print("| " + " | ".join(row) + " |", flush=True)
-
-
-def _fraction(f):
-    return "-" if f is None else f"{f[0]:.2f} ({f[1]:.2f}-{f[2]:.2f})"
 
 
 def bench_probs(repeats, shapes=((4, 256, 8, 64), (4, 512, 8, 64))):
@@ -286,17 +237,10 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=30720)
     parser.add_argument("--no-probs", action="store_true", help="skip the probs vs flash part")
     parser.add_argument("--no-small-seq", action="store_true", help="skip the small_seq part")
-    parser.add_argument("--no-child", action="store_true",
-                        help="skip the paired fractions with freed memory kept (child process)")
-    parser.add_argument("--paired-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.paired_json:  # the child process of paired_fractions_kept_memory
-        fr = paired_fractions(args.kv, args.batch, 8, 128)
-        print(json.dumps([[s, passes, list(f)] for (s, passes), f in fr.items()]))
-        return
     print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.device_count()} device(s)")
     if not args.no_small_seq:
-        bench_small_seq(args.kv, args.repeats, batch=args.batch, child=not args.no_child)
+        bench_small_seq(args.kv, args.repeats, batch=args.batch)
     if not args.no_probs:
         bench_probs(args.repeats)
 
