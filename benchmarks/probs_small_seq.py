@@ -14,8 +14,9 @@ processes does not favour one of them):
 1. Memory bandwidth of this machine: a jitted `x + 1` over a 512 MiB float32 array (read + write,
    1 GiB moved; the input is donated so the output is written in place), best of the repeats,
    measured before each kv_seq and once more at the end. On the shared VM it was measured on it
-   varies within a run (from about 55 to about 100 GB/s): the fractions use the highest figure
-   of the run, and the table header gives the range.
+   varies within a run (from about 50 to about 100 GB/s): the fractions use the highest figure
+   of the run, and the table header gives the range. For contrast, the same `x + 1` without
+   donation (a new output array, every page of it fresh) is measured twice at the end.
 2. Decoder cross-attention, batch 30720, q_seq 1, kv_seq in {2, 4, 8, 16}, 8 heads, head dim 128:
    `small_seq` vs `flash` vs `reference` (attnaux's three backends that can serve the shape) vs
    `jax.nn.dot_product_attention(implementation="xla")`. `fwd`: the forward alone (attnaux
@@ -85,19 +86,23 @@ def best_time(fn, args, repeats: int, slow_s: float = 3.0) -> tuple[float, float
     return best
 
 
-def copy_bandwidth(repeats: int, mib: int = 512) -> float:
-    """GB/s of a jitted `x + 1` over `mib` MiB of float32 (bytes read + written). The input is
-    donated, so XLA writes in place and the figure is memory bandwidth, not the cost of faulting
-    in fresh output pages."""
+def copy_bandwidth(repeats: int, mib: int = 512, donate: bool = True) -> float:
+    """GB/s of a jitted `x + 1` over `mib` MiB of float32 (bytes read + written). With `donate`
+    the input is donated, so XLA writes in place and the figure is memory bandwidth, not the cost
+    of faulting in fresh output pages; without it XLA writes a new array, as every op whose
+    output is not donated does."""
     n = mib * 2**20 // 4
-    step = jax.jit(lambda x: x + 1, donate_argnums=0)  # x + 0 would be elided
+    step = jax.jit(lambda x: x + 1, donate_argnums=0 if donate else ())  # x + 0 would be elided
     x = step(jnp.ones((n,), jnp.float32))
     best = float("inf")
     for _ in range(max(repeats, 3)):
         jax.block_until_ready(x)
         t0 = time.perf_counter()
-        x = jax.block_until_ready(step(x))
+        y = jax.block_until_ready(step(x))
         best = min(best, time.perf_counter() - t0)
+        if donate:
+            x = y
+        del y
     del x
     return 2 * n * 4 / best / 1e9
 
@@ -188,11 +193,15 @@ def bench_small_seq(kvs, repeats, batch=30720, heads=8, dim=128):
             rows.append((s, passes, best, paired_fraction(fn, args, nbytes)))
     _log("copy bandwidth (end)")
     copies.append(copy_bandwidth(repeats))
+    fresh_copies = [copy_bandwidth(repeats, donate=False) for _ in range(2)]
     copy_gbs = max(copies)
     print(f"\n## small_seq: batch {batch}, q_seq 1, {heads} heads, head dim {dim}, float32\n")
     print(f"copy bandwidth (jitted, donated x + 1 over 512 MiB): {copy_gbs:.1f} GB/s, the "
           f"highest of {len(copies)} measurements through the run "
           f"({min(copies):.1f} to {max(copies):.1f})\n")
+    print(f"the same x + 1 into a new array (not donated): {max(fresh_copies):.1f} GB/s, the "
+          f"higher of {len(fresh_copies)} (what first-touch page zeroing leaves of the bandwidth "
+          "when every output page is fresh)\n")
     header = ["kv_seq", "pass"] + [f"{n} ms" for n in cands] + [
         "speed-up vs best other", "small_seq GB/s", "fraction of best copy",
         "paired fraction (min-max)", "small_seq CPU ms (user / sys)"]

@@ -396,12 +396,16 @@ def test_explain_on_gpu():
         assert "not picked by auto" in e.reasons["small_seq"]
     assert attnaux.explain(q, k, v, backend="small_seq").backend == "small_seq"
     assert attnaux.softmax_kernel_available((2, 3, 4, 5), jnp.bfloat16)
-    # probs: for return_probs, and whenever cuDNN cannot serve the call (here a boolean mask)
+    # probs: for return_probs, and whenever cuDNN cannot serve the call (here softcap with a
+    # bias); a boolean mask goes to cuDNN as a bias, so flash serves it
     q, k, v = make_inputs(0, (2,), 64, 64, 4, 2, 64, 64, jnp.bfloat16)
     e = attnaux.explain(q, k, v, return_probs=True)
     assert e.backend == "probs" and "cuBLAS" in e.implementation, str(e)
     e = attnaux.explain(q, k, v, mask=jnp.ones((64, 64), bool))
+    assert e.backend == "flash", str(e)
+    bias = jnp.zeros((64, 64), jnp.bfloat16)
+    e = attnaux.explain(q, k, v, bias=bias, softcap=30.0)
     assert e.backend == "probs", str(e)
-    assert "cannot serve" in e.reasons["probs"]
+    assert "cannot serve" in e.reasons["probs"] and "softcap" in e.reasons["flash"], str(e)
     e = attnaux.explain(q, k, v)
     assert e.backend == "flash" and "not chosen" in e.reasons["probs"], str(e)
