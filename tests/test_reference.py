@@ -479,12 +479,10 @@ def test_row_usage_matches_oracle(shape, opts, block, monkeypatch):
     q, k, v, options = build(shape, opts)
     problem = canonicalize(q, k, v, **options)
     q_rows, kv_rows = _flash._usage(problem.arrays, problem.options)
-    names = ("scale", "bias", "mask", "causal", "window", "q_seqlens", "kv_seqlens",
-             "q_segment_ids", "kv_segment_ids", "sink")
-    p = oracle._parse(q, k, v, *(options.get(n, False if n == "causal" else None) for n in names))
-    nb, sq, skv, hq, group = p["nb"], p["sq"], p["skv"], p["hq"], p["group"]
-    vis = np.array([[[oracle._visible_row(p, b, h, i) for i in range(sq)] for h in range(hq)]
-                    for b in range(nb)]).reshape(nb, hq, sq, skv)
+    _, visible = oracle.scores(q, k, **{n: x for n, x in options.items() if n != "sink"})
+    sq, skv, hq, group = q.shape[-3], k.shape[-3], q.shape[-2], q.shape[-2] // k.shape[-2]
+    vis = visible.reshape(-1, hq, sq, skv)
+    nb = vis.shape[0]
     want_q = vis.any(axis=3).transpose(0, 2, 1)  # [B, Sq, Hq]
     want_kv = vis.reshape(nb, hq // group, group, sq, skv).any(axis=(2, 3)).transpose(0, 2, 1)
     np.testing.assert_array_equal(np.broadcast_to(np.asarray(q_rows), want_q.shape), want_q)
