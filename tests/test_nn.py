@@ -74,7 +74,9 @@ def test_causal_gqa_and_transforms():
     # Against the reference backend and a causal mask written out.
     out, aux = jax.vmap(lambda x: layer(x, x, x))(x)
     tril = jnp.tril(jnp.ones((12, 12), bool))
-    out_ref, aux_ref = jax.vmap(lambda x: layer(x, x, x, tril, causal=False, backend="reference"))(x)
+    out_ref, aux_ref = jax.vmap(
+        lambda x: layer(x, x, x, tril, causal=False, backend="reference")
+    )(x)
     np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(aux.lse, aux_ref.lse, rtol=1e-5, atol=1e-5)
 
