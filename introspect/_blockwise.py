@@ -1,6 +1,6 @@
 """Shared machinery: options in canonical form, and logits recomputed one key block at a time.
 
-The masking is `attnaux._reference.visibility` (the rules of `docs/kernel_abi.md`), evaluated for
+The masking is `attnaux._internal.visibility` (the rules of `docs/kernel_abi.md`), evaluated for
 one slice of key positions at a time so that nothing of size `q_seq x kv_seq` is ever formed.
 Every function that recomputes probabilities from `aux.lse` goes through `block_scores`, so
 there is one definition of the logits in this package.
@@ -15,10 +15,16 @@ import numpy as np
 from beartype import BeartypeConf, beartype
 from jaxtyping import Array
 
-from attnaux._aux import AttnAux
-from attnaux._canon import Canonical, Options, Problem, _static_float, canonicalize
-from attnaux._philox import dropout_keep_mask
-from attnaux._reference import visibility
+from attnaux import AttnAux
+from attnaux._internal import (
+    Canonical,
+    Options,
+    Problem,
+    dropout_keep_mask,
+    static_float,
+    visibility,
+)
+from attnaux._internal import canonical_problem as attention_problem
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
 Arr = Array | np.ndarray
@@ -51,8 +57,8 @@ def canonical_problem(
             f"(and accepts, ignoring them unless documented, {', '.join(OTHER_OPTIONS)})."
         )
     kw = {name: options[name] for name in MASK_OPTIONS if name in options}
-    problem = canonicalize(q, k, v, **kw)
-    rate = _static_float("dropout_rate", options.get("dropout_rate", 0.0), allow_none=False)
+    problem = attention_problem(q, k, v, **kw)
+    rate = static_float("dropout_rate", options.get("dropout_rate", 0.0), allow_none=False)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"`dropout_rate` must be in [0, 1); got {rate}.")
     return problem, rate
@@ -146,7 +152,7 @@ def _slice_keys(x: jax.Array | None, start: jax.Array, size: int, axis: int, kv_
 def block_visibility(
     arrays: Canonical, options: Options, j: jax.Array, mask_blk, kv_seg_blk, kv_seq: int
 ) -> jax.Array:
-    """`bool[B, Hq or 1, Sq, block]`: `attnaux._reference.visibility` for key positions `j`."""
+    """`bool[B, Hq or 1, Sq, block]`: `attnaux._internal.visibility` for key positions `j`."""
     sliced = arrays._replace(mask=mask_blk, kv_segment_ids=kv_seg_blk)
     return visibility(sliced, options, keys=j, kv_seq=kv_seq)
 
@@ -154,7 +160,7 @@ def block_visibility(
 def keep_block(
     rng_state: jax.Array, rate: float, shape: tuple[int, int, int], kv_seq: int, j: jax.Array
 ) -> jax.Array:
-    """`bool[B, Hq, Sq, block]`: columns `j` of `attnaux._philox.dropout_keep_mask`."""
+    """`bool[B, Hq, Sq, block]`: columns `j` of `attnaux._internal.dropout_keep_mask`."""
     bsz, heads, q_seq = shape
     return dropout_keep_mask(rng_state, rate, bsz, heads, q_seq, kv_seq, columns=j)
 

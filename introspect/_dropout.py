@@ -3,8 +3,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from attnaux._aux import AttnAux
-from attnaux._philox import dropout_keep_mask
+from attnaux import AttnAux
+from attnaux._internal import cudnn_dropout_keep_mask, dropout_keep_mask
 
 
 @jaxtyped(typechecker=beartype)
@@ -46,8 +46,6 @@ def dropout_mask(
     for d in batch:
         bsz *= d
     if aux.dropout_impl == "cudnn":  # the GPU flash backend: cuDNN's Philox, through cuDNN
-        from attnaux._flash_cuda import cudnn_dropout_keep_mask
-
         keep = cudnn_dropout_keep_mask(aux.rng_state, dropout_rate, bsz, q_heads, k.shape[-2],
                                        q_seq, kv_seq, q.shape[-1], q.dtype)
     else:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, jaxtyped
 
-from attnaux._aux import AttnAux
+from attnaux import AttnAux
 
 from ._blockwise import typechecker
 

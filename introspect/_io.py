@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnaux._aux import AttnAux
+from attnaux import AttnAux
 
 _FORMAT = "attnaux.introspect.aux-collection"
 _VERSION = 1

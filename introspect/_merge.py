@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, jaxtyped
 
-from attnaux._aux import AttnAux
+from attnaux import AttnAux
 
 from ._blockwise import Arr, typechecker
 

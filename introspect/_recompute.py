@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, jaxtyped
 
-from attnaux._aux import AttnAux
-from attnaux._canon import Canonical, Options
+from attnaux import AttnAux
+from attnaux._internal import Canonical, Options
 
 from ._blockwise import (
     DEFAULT_BLOCK_SIZE,

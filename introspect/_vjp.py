@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, jaxtyped
 
-from attnaux._aux import AttnAux
-from attnaux._canon import Canonical, Options
+from attnaux import AttnAux
+from attnaux._internal import Canonical, Options
 
 from ._blockwise import (
     DEFAULT_BLOCK_SIZE,

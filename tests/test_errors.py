@@ -5,8 +5,8 @@ Every case runs three ways:
 - through the undecorated `attnaux.attention.__wrapped__` (what runs with jaxtyping off): the
   explicit checks in `_canon.py` / `_dispatch.py` must raise, with a message naming the argument,
   what was expected and what came;
-- through `attnaux._canon.canonicalize` directly (for the cases that are its job), and through
-  `attnaux.explain`, which validates the same way;
+- through `attnaux._internal.canonical_problem` directly (for the cases that are its job),
+  and through `attnaux.explain`, which validates the same way;
 - through the public `attnaux.attention`, where jaxtyping + beartype see some of the mistakes
   first and raise a `jaxtyping.TypeCheckError` (a `TypeError`) that names the parameter.
 
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import attnaux
-from attnaux import _canon, _ffi
+from attnaux import _ffi, _internal
 
 HAS_FLASH = _ffi.has_target("attnaux_flash_fwd", "cpu")
 requires_flash = pytest.mark.skipif(
@@ -56,7 +56,8 @@ class Case:
     `call(fn)` makes the call through `fn` (one of the entry points); `exc`/`match` are what the
     explicit checks must raise; `param` is the parameter jaxtyping rejects first on the public
     path (None when jaxtyping cannot see the mistake and the explicit check must fire there too);
-    `canon` says whether `_canon.canonicalize` is responsible for the check.
+    `canon` says whether the canonical form (`_internal.canonical_problem`) is responsible for
+    the check.
     """
 
     def __init__(self, id, call, exc, match, param=None, canon=True):
@@ -268,7 +269,7 @@ CANON_CASES = [c for c in CASES if c.canon]
 @pytest.mark.parametrize("case", CANON_CASES, ids=[c.id for c in CANON_CASES])
 def test_canonicalize_checks(case):
     with pytest.raises(case.exc, match=case.match):
-        case.call(_canon.canonicalize)
+        case.call(_internal.canonical_problem)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -351,11 +352,9 @@ def test_good_calls_pass_validation():
 
 
 def _probs_target():
-    try:
-        from attnaux._probs import TARGETS
-    except ImportError:  # a version without the probs backend
-        return None
-    return TARGETS["probs"][0]
+    from attnaux._probs_cpu import FWD_TARGET
+
+    return FWD_TARGET
 
 
 def test_explicit_probs_backend():

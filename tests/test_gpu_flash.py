@@ -35,7 +35,7 @@ from conftest import (
 import attnaux
 from attnaux import _ffi
 from attnaux import introspect as ai
-from attnaux._philox import dropout_keep_mask
+from attnaux._internal import dropout_keep_mask
 
 pytestmark = [
     pytest.mark.gpu,

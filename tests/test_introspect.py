@@ -24,9 +24,7 @@ import pytest
 
 import attnaux as ax
 from attnaux import introspect as ai
-from attnaux._canon import canonicalize
-from attnaux._philox import dropout_keep_mask
-from attnaux._reference import visibility
+from attnaux._internal import canonical_problem, dropout_keep_mask, visibility
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "introspect.md"
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -195,7 +193,7 @@ def test_block_visibility_matches_reference_visibility():
     from attnaux.introspect._blockwise import block_visibility, layout, pad_keys
     q, k, v = _data(3)
     for opts in CONFIGS.values():
-        problem = canonicalize(q, k, v, **{n: x for n, x in opts.items()})
+        problem = canonical_problem(q, k, v, **{n: x for n, x in opts.items()})
         want = visibility(problem.arrays, problem.options)
         lay = layout(13, 5)
         padded = pad_keys(problem.arrays, lay)

@@ -29,9 +29,14 @@ from conftest import (
 )
 
 import attnaux
-from attnaux import _ffi
+from attnaux import _ffi, _probs_cpu, _small_seq
 from attnaux._dispatch import AUTO_PROBS_MAX_KV_SEQ
-from attnaux._probs import SMALL_SEQ_MAX_KV_SEQ, TARGETS
+from attnaux._small_seq import MAX_KV_SEQ as SMALL_SEQ_MAX_KV_SEQ
+
+TARGETS = {
+    "probs": (_probs_cpu.FWD_TARGET, _probs_cpu.BWD_TARGET),
+    "small_seq": (_small_seq.FWD_TARGET, _small_seq.BWD_TARGET),
+}
 
 HAS_PROBS = all(_ffi.has_target(t, "cpu") for pair in TARGETS.values() for t in pair)
 pytestmark = pytest.mark.skipif(
@@ -479,12 +484,10 @@ def test_float64_is_reference_only():
 
 def test_small_seq_kernel_rechecks_its_shape():
     """The compiled handler refuses a shape it cannot serve with a message naming the limit."""
-    from attnaux._canon import canonicalize
-    from attnaux._flash import kernel_args
-    from attnaux._probs import _forward_call
+    from attnaux._internal import canonical_problem
+    from attnaux._small_seq import run
 
     q, k, v = make_inputs(170, 1, 2, 4, 2, 2, 16, 16)
-    problem = canonicalize(q, k, v)
-    args = kernel_args(problem.arrays, problem.options)
+    problem = canonical_problem(q, k, v)
     with pytest.raises(Exception, match=r"attnaux_small_seq: needs q_seq == 1 and kv_seq <= 16"):
-        jax.block_until_ready(_forward_call("small_seq", problem.options, False)(*args))
+        jax.block_until_ready(run(problem.arrays, problem.options, False))

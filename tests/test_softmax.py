@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import attnaux
-from attnaux import _softmax
+from attnaux import _softmax, _softmax_kernel
 from attnaux._softmax import softmax, softmax_kernel_available
 
 HAS_KERNEL = bool(softmax_kernel_available((1, 1), jnp.float32))
@@ -710,7 +710,7 @@ def test_ffi_handler_validates(mask, attrs, outs, match):
     logits = jnp.zeros((2, 4, 5))
     probs_shape, stats_shape = outs or ((2, 4, 5), (2, 4))
     call = jax.ffi.ffi_call(
-        _softmax.FWD_TARGET,
+        _softmax_kernel.FWD_TARGET,
         (
             jax.ShapeDtypeStruct(probs_shape, jnp.float32),
             jax.ShapeDtypeStruct(stats_shape, jnp.float32),
@@ -725,7 +725,7 @@ def test_ffi_handler_validates(mask, attrs, outs, match):
 @requires_kernel
 def test_ffi_backward_handler_validates():
     p = jnp.zeros((2, 4, 5))
-    call = jax.ffi.ffi_call(_softmax.BWD_TARGET, jax.ShapeDtypeStruct(p.shape, p.dtype))
+    call = jax.ffi.ffi_call(_softmax_kernel.BWD_TARGET, jax.ShapeDtypeStruct(p.shape, p.dtype))
     with pytest.raises(Exception, match=r"`dlse` must be F32 of shape \[2, 4\]"):
         jax.block_until_ready(call(p, p, jnp.zeros((2, 5)), scale=np.float32(1.0)))
     with pytest.raises(Exception, match=r"`dprobs` must have the dtype and shape"):

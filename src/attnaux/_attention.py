@@ -6,11 +6,8 @@ from beartype import BeartypeConf, beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
 
 from ._aux import AttnAux
-from ._canon import _static_float, canonicalize, check_key, parse_causal, parse_window
+from ._canon import canonicalize, check_key, parse_statics
 from ._dispatch import Explanation, check_backend, choose
-from ._flash import flash_attention
-from ._probs import probs_attention
-from ._reference import reference_attention
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
 _Arr = Array | np.ndarray
@@ -22,9 +19,6 @@ _Scalar = float | np.floating | Array
 _Bias = Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"]
 _Mask = Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"]
 
-_STATIC = ("scale", "causal", "window", "softcap", "dropout_rate", "return_probs", "backend")
-
-
 def _check_return_probs(return_probs: object) -> bool:
     if not isinstance(return_probs, (bool, np.bool_)):
         raise TypeError(f"`return_probs` must be a bool; got {return_probs!r}.")
@@ -32,61 +26,41 @@ def _check_return_probs(return_probs: object) -> bool:
 
 
 def _statics(scale, causal, window, softcap, dropout_rate, return_probs, backend) -> dict:
-    """Checks the static options before they key the jit cache (they must be hashable)."""
+    """Parses the static options once, before they key the jit cache (they must be hashable)."""
     return dict(
-        scale=_static_float("scale", scale, allow_none=True),
-        causal=parse_causal(causal),
-        window=parse_window(window),
-        softcap=_static_float("softcap", softcap, allow_none=True),
-        dropout_rate=_static_float("dropout_rate", dropout_rate, allow_none=False),
+        statics=parse_statics(scale=scale, causal=causal, window=window, softcap=softcap,
+                              dropout_rate=dropout_rate),
         return_probs=_check_return_probs(return_probs),
         backend=check_backend(backend),
     )
 
 
-def _run(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink, key,
-         *, scale, causal, window, softcap, dropout_rate, return_probs, backend):
+def _choose(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink,
+            key, *, statics, return_probs, backend):
     problem = canonicalize(
-        q, k, v, scale=scale, bias=bias, mask=mask, causal=bool(causal) if causal < 2 else
-        "bottom_right", window=(None if window[0] < 0 else window[0],
-                                None if window[1] < 0 else window[1]),
-        q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, softcap=softcap, sink=sink, dropout_rate=dropout_rate,
-        key=key,
+        q, k, v, statics, bias=bias, mask=mask, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, sink=sink, key=key,
     )
-    choice = choose(problem, backend, return_probs)
-    return problem, choice
+    return problem, choose(problem, backend, return_probs)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=("statics", "return_probs", "backend"))
 def _attention_jit(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids,
-                   sink, key, **statics):
-    problem, choice = _run(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-                           kv_segment_ids, sink, key, **statics)
+                   sink, key, *, statics, return_probs, backend):
+    problem, choice = _choose(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                              kv_segment_ids, sink, key, statics=statics,
+                              return_probs=return_probs, backend=backend)
     arrays, options = problem.arrays, problem.options
-    if choice.backend == "flash":
-        out, lse, row_max = flash_attention(arrays, options)
-        probs = None
-    elif choice.backend in ("probs", "small_seq"):
-        out, lse, row_max, probs = probs_attention(
-            arrays, options, kind=choice.backend, return_probs=statics["return_probs"]
-        )
-    else:
-        out, lse, row_max, probs = reference_attention(
-            arrays, options, return_probs=statics["return_probs"]
-        )
+    out, lse, row_max, probs = choice.implementation.module.run(arrays, options, return_probs)
     batch = problem.batch_shape
     out = out.reshape((*batch, *out.shape[1:]))
     lse = lse.reshape((*batch, *lse.shape[1:]))
     row_max = jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:])))
     if probs is not None:
         probs = probs.reshape((*batch, *probs.shape[1:]))
-    # cuDNN (flash on GPU) draws its own dropout mask from rng_state: record it for the replay.
-    on_cudnn = choice.backend == "flash" and choice.implementation.startswith("cuDNN")
-    dropout_impl = "cudnn" if on_cudnn and options.dropout_rate > 0 else "attnaux"
     aux = AttnAux(
-        lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state, backend=choice.backend,
-        dropout_impl=dropout_impl,
+        lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state,
+        backend=choice.explanation.backend, dropout_impl=choice.explanation.dropout_impl,
     )
     return out, aux
 
@@ -197,7 +171,7 @@ def explain(q, k, v, **options) -> Explanation:
     result: list[Explanation] = []
 
     def trace(q, k, v, *arrays):
-        result.append(_run(q, k, v, *arrays, **statics)[1])
+        result.append(_choose(q, k, v, *arrays, **statics)[1].explanation)
         return 0
 
     jax.eval_shape(trace, q, k, v, *arrays)

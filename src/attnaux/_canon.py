@@ -30,6 +30,46 @@ class Options(NamedTuple):
     has_seqlens: bool = False  # q_seqlens or kv_seqlens was given (GPU: cuDNN's padding mask)
 
 
+class Statics(NamedTuple):
+    """The static options of `attnaux.attention`, parsed once (by `parse_statics`).
+
+    Hashable, so it keys the jit cache; `canonicalize` takes it as it is.
+    """
+
+    scale: float | None  # None: 1/sqrt(qk_dim), known once q's shape is
+    causal: int  # 0 none, 1 top-left, 2 bottom-right
+    window: tuple[int, int]  # (left, right), -1 = unbounded
+    softcap: float | None
+    dropout_rate: float
+
+
+def parse_statics(*, scale: Any, causal: Any, window: Any, softcap: Any,
+                  dropout_rate: Any) -> Statics:
+    """Validates the static options of an attention call and parses them once."""
+    softcap_value = static_float("softcap", softcap, allow_none=True)
+    if softcap_value is not None and softcap_value <= 0:
+        raise ValueError(f"`softcap` must be a positive float or None; got {softcap_value}.")
+    rate = static_float("dropout_rate", dropout_rate, allow_none=False)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"`dropout_rate` must be in [0, 1); got {rate}.")
+    return Statics(
+        scale=static_float("scale", scale, allow_none=True),
+        causal=parse_causal(causal),
+        window=parse_window(window),
+        softcap=softcap_value,
+        dropout_rate=rate,
+    )
+
+
+class SoftmaxOptions(NamedTuple):
+    """Static options of one `attnaux.softmax` call (hashable: keys `custom_vjp` and the kernel
+    cache); the logits are `[N, q_seq, kv_seq]` (`docs/softmax_abi.md`)."""
+
+    scale: float
+    causal: int  # 0 none, 1 top-left, 2 bottom-right
+    mask_div: int  # logits matrix n reads mask matrix (n // mask_div) % mask_n
+
+
 class Canonical(NamedTuple):
     """The arrays of one attention call in canonical form (see `docs/kernel_abi.md`)."""
 
@@ -73,7 +113,7 @@ def _as_array(name: str, x: Any) -> jax.Array:
     )
 
 
-def _static_float(name: str, value: Any, *, allow_none: bool) -> float | None:
+def static_float(name: str, value: Any, *, allow_none: bool) -> float | None:
     if value is None:
         if allow_none:
             return None
@@ -202,22 +242,19 @@ def canonicalize(
     q: Any,
     k: Any,
     v: Any,
+    statics: Statics,
     *,
-    scale: Any = None,
     bias: Any = None,
     mask: Any = None,
-    causal: Any = False,
-    window: Any = None,
     q_seqlens: Any = None,
     kv_seqlens: Any = None,
     q_segment_ids: Any = None,
     kv_segment_ids: Any = None,
-    softcap: Any = None,
     sink: Any = None,
-    dropout_rate: Any = 0.0,
     key: Any = None,
 ) -> Problem:
-    """Validates the arguments of `attention` and returns them in canonical form."""
+    """Validates the array arguments of `attention` and returns the call in canonical form; the
+    static options come parsed (`parse_statics`)."""
     q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_float(name, x)
@@ -261,17 +298,12 @@ def canonicalize(
             f"(k.shape={_fmt_shape(k)})."
         )
 
-    scale_value = _static_float("scale", scale, allow_none=True)
+    scale_value = statics.scale
     if scale_value is None:
         scale_value = 1.0 / math.sqrt(qk_dim) if qk_dim > 0 else 1.0
-    softcap_value = _static_float("softcap", softcap, allow_none=True)
-    if softcap_value is not None and softcap_value <= 0:
-        raise ValueError(f"`softcap` must be a positive float or None; got {softcap_value}.")
-    rate = _static_float("dropout_rate", dropout_rate, allow_none=False)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"`dropout_rate` must be in [0, 1); got {rate}.")
-    causal_mode = parse_causal(causal)
-    window_left, window_right = parse_window(window)
+    softcap_value, rate = statics.softcap, statics.dropout_rate
+    causal_mode = statics.causal
+    window_left, window_right = statics.window
 
     bsz = math.prod(batch)
     bias_c = None

@@ -1,16 +1,61 @@
-"""Backend choice: which backend serves a call, and why the others do not."""
+"""The one dispatch table: which implementation serves a call, and why the others do not.
+
+`IMPLEMENTATIONS` maps `(backend, platform)` to the sibling module that implements it, with what
+it is and which dropout generator it uses. `choose` decides backend, platform and dropout
+generator once per call; the backends never ask again, and `explain` reads the same decision.
+Every implementation module offers `unavailable(problem, platform) -> str | None` and
+`run(arrays, options, return_probs) -> (out, lse, max, probs or None)`.
+"""
 
 import dataclasses
+import types
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from . import _ffi
+from . import (
+    _flash_cpu,
+    _flash_cudnn,
+    _probs_cpu,
+    _probs_cuda,
+    _reference,
+    _small_seq,
+    _softmax_kernel,
+    _softmax_reference,
+)
 from ._canon import Problem
-from ._flash import FWD_TARGET
-from ._probs import SMALL_SEQ_MAX_KV_SEQ
-from ._probs import TARGETS as _PROBS_TARGETS
-from ._probs_gpu import FWD_TARGET as _PROBS_GPU_TARGET
+
+
+class Implementation(NamedTuple):
+    """One row of the dispatch table."""
+
+    module: types.ModuleType  # offers unavailable(problem, platform) and run(...)
+    description: str  # what runs, as `explain` says it
+    dropout_impl: str  # the generator of the dropout keep-mask (AttnAux.dropout_impl)
+
+
+_CPP = "C++ (XLA FFI, cpu)"
+IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
+    ("flash", "cpu"): Implementation(_flash_cpu, _CPP, "attnaux"),
+    ("flash", "gpu"): Implementation(
+        _flash_cudnn, "cuDNN fused attention (XLA FFI, gpu)", "cudnn"
+    ),
+    ("probs", "cpu"): Implementation(_probs_cpu, _CPP, "attnaux"),
+    ("probs", "gpu"): Implementation(
+        _probs_cuda,
+        "XLA GEMMs (cuBLAS) around attnaux's CUDA softmax kernels (XLA FFI, gpu)",
+        "attnaux",
+    ),
+    ("small_seq", "cpu"): Implementation(_small_seq, _CPP, "attnaux"),
+    ("small_seq", "gpu"): Implementation(
+        _small_seq, "attnaux's CUDA kernels (XLA FFI, gpu)", "attnaux"
+    ),
+}
+"""The compiled implementations, by (backend, platform). `reference` (pure JAX) runs anywhere."""
+REFERENCE = Implementation(_reference, "pure JAX (XLA)", "attnaux")
+SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
+"""Whether a backend can fill `aux.probs` (on every platform)."""
+SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
 
 BACKENDS = ("auto", "flash", "probs", "small_seq", "reference")
 
@@ -55,12 +100,15 @@ class Explanation:
     - `implementation`: how it runs on this platform (for example `"C++ (XLA FFI, cpu)"`).
     - `platform`: the JAX platform the choice was made for (`"cpu"`, `"gpu"`, ...).
     - `reasons`: for every backend, why it was chosen or why not.
+    - `dropout_impl`: the generator that draws a dropout keep-mask there (`"attnaux"`:
+      attnaux's documented Philox; `"cudnn"`: cuDNN's own), as `AttnAux.dropout_impl` records.
     """
 
     backend: str
     implementation: str
     platform: str
     reasons: dict[str, str]
+    dropout_impl: str = "attnaux"
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend} ({self.implementation}) on {self.platform}"]
@@ -81,59 +129,34 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def _compiled_unavailable(problem: Problem, platform: str, target: str) -> str | None:
-    if problem.arrays.q.dtype == jnp.float64:
-        return "float64 inputs run only on the reference backend"
-    if not _ffi.has_target(target, platform):
-        if _ffi.IMPORT_ERROR is not None:
-            return f"the compiled extension is not available ({_ffi.IMPORT_ERROR})"
-        return f"no compiled implementation for the {platform!r} platform in this build"
-    return None
+def implementation(backend: str, platform: str) -> Implementation | None:
+    """The table's row for `backend` on `platform` (None: no compiled implementation there)."""
+    if backend == "reference":
+        return REFERENCE
+    return IMPLEMENTATIONS.get((backend, platform))
 
 
-def _flash_unavailable(problem: Problem, platform: str, return_probs: bool) -> str | None:
-    if return_probs:
+def _unavailable(backend: str, problem: Problem, platform: str, return_probs: bool) -> str | None:
+    if return_probs and not SAVES_PROBS[backend]:
         return (
             "does not save the probabilities (return_probs=True); use backend='probs' (any "
             f"shape), 'small_seq' (q_seq == 1 and kv_seq <= {SMALL_SEQ_MAX_KV_SEQ}), "
             "'reference' or 'auto'"
         )
-    if platform == "gpu":  # cuDNN fused attention (see _flash_cuda.py)
-        from ._flash_cuda import unavailable as cuda_unavailable
-
-        return cuda_unavailable(problem)
-    return _compiled_unavailable(problem, platform, FWD_TARGET)
-
-
-def _probs_unavailable(problem: Problem, platform: str) -> str | None:
-    # On GPU: XLA's GEMMs around attnaux's CUDA softmax kernels (_probs_gpu.py).
-    target = _PROBS_GPU_TARGET if platform == "gpu" else _PROBS_TARGETS["probs"][0]
-    return _compiled_unavailable(problem, platform, target)
+    impl = implementation(backend, platform)
+    if impl is None:
+        return f"no compiled implementation for the {platform!r} platform in this build"
+    return impl.module.unavailable(problem, platform)
 
 
-def _implementation(backend: str, platform: str) -> str:
-    if backend == "reference":
-        return "pure JAX (XLA)"
-    if platform != "gpu":
-        return f"C++ (XLA FFI, {platform})"
-    return {
-        "flash": "cuDNN fused attention (XLA FFI, gpu)",
-        "probs": "XLA GEMMs (cuBLAS) around attnaux's CUDA softmax kernels (XLA FFI, gpu)",
-        "small_seq": "attnaux's CUDA kernels (XLA FFI, gpu)",
-    }[backend]
+class Choice(NamedTuple):
+    """What `choose` decided: the explanation and the implementation that runs."""
+
+    explanation: "Explanation"
+    implementation: Implementation
 
 
-def _small_seq_unavailable(problem: Problem, platform: str) -> str | None:
-    q_seq, kv_seq = problem.arrays.q.shape[1], problem.arrays.k.shape[1]
-    if q_seq != 1 or kv_seq > SMALL_SEQ_MAX_KV_SEQ:
-        return (
-            f"it needs q_seq == 1 and kv_seq <= {SMALL_SEQ_MAX_KV_SEQ} (one query row against a "
-            f"handful of keys); got q_seq={q_seq} and kv_seq={kv_seq}"
-        )
-    return _compiled_unavailable(problem, platform, _PROBS_TARGETS["small_seq"][0])
-
-
-def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
+def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
     """Picks the backend for a validated call; raises if an explicit request cannot be served.
 
     `auto` prefers, in order: `small_seq` whenever the static shapes fit (q_seq == 1 and
@@ -145,9 +168,9 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
     platform = _platform()
     kv_seq = problem.arrays.k.shape[1]
     probs_limit = _auto_probs_max_kv_seq(platform)
-    flash_no = _flash_unavailable(problem, platform, return_probs)
-    probs_no = _probs_unavailable(problem, platform)
-    small_no = _small_seq_unavailable(problem, platform)
+    flash_no = _unavailable("flash", problem, platform, return_probs)
+    probs_no = _unavailable("probs", problem, platform, return_probs)
+    small_no = _unavailable("small_seq", problem, platform, return_probs)
     reasons = {
         "flash": flash_no or "serves every option here; O(seq) memory",
         "probs": probs_no or "serves every option here; saves the probabilities "
@@ -209,5 +232,47 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Explanation:
         why_not = {"flash": flash_no, "probs": probs_no, "small_seq": small_no}.get(chosen)
         if why_not is not None:
             raise ValueError(f"backend={chosen!r} cannot serve this call: {why_not}.")
-    implementation = _implementation(chosen, platform)
-    return Explanation(chosen, implementation, platform, reasons)
+    impl = implementation(chosen, platform)
+    dropout_impl = impl.dropout_impl if problem.has_dropout else "attnaux"
+    return Choice(Explanation(chosen, impl.description, platform, reasons, dropout_impl), impl)
+
+
+# ------------------------------------------------------------------------------------------------
+# attnaux.softmax
+# ------------------------------------------------------------------------------------------------
+SOFTMAX_BACKENDS = ("auto", "kernel", "reference")
+SOFTMAX_IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
+    ("kernel", "cpu"): Implementation(_softmax_kernel, "C++ kernel (XLA FFI, cpu)", "attnaux"),
+    ("kernel", "gpu"): Implementation(
+        _softmax_kernel, "CUDA kernel (XLA FFI, gpu)", "attnaux"
+    ),
+}
+"""The compiled softmax, by platform (one module: the same FFI targets on both)."""
+SOFTMAX_REFERENCE = Implementation(_softmax_reference, "pure JAX (XLA)", "attnaux")
+
+
+class SoftmaxChoice(NamedTuple):
+    backend: str  # "kernel" or "reference"
+    module: types.ModuleType  # offers run(options, logits, mask)
+    description: str
+    why_not_kernel: str | None
+
+
+def choose_softmax(backend: str, dtype) -> SoftmaxChoice:
+    """Picks the softmax implementation for logits of `dtype` on this platform; raises if
+    `backend="kernel"` cannot serve the call."""
+    platform = _platform()
+    impl = SOFTMAX_IMPLEMENTATIONS.get(("kernel", platform))
+    if impl is None:
+        why_not = f"no compiled softmax kernel for the {platform!r} platform in this build"
+    else:
+        why_not = impl.module.unavailable(dtype, platform)
+    if backend == "kernel" and why_not is not None:
+        raise ValueError(
+            f"`backend='kernel'` cannot serve this call: {why_not}. Use backend='auto' (which "
+            "falls back to the pure-JAX path) or backend='reference'."
+        )
+    if backend == "reference" or why_not is not None:
+        ref = SOFTMAX_REFERENCE
+        return SoftmaxChoice("reference", ref.module, ref.description, why_not)
+    return SoftmaxChoice("kernel", impl.module, impl.description, None)

@@ -59,16 +59,23 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
 from . import _ffi
 from ._canon import Canonical, Options, Problem
+from ._kernel_call import (
+    BATCH,
+    BROADCAST,
+    SHARED,
+    KernelOp,
+    absent,
+    compiled_vjp,
+    present,
+    zero_hidden_rows,
+)
 
 FWD_TARGET = "attnaux_flash_fwd_cudnn"
 BWD_TARGET = "attnaux_flash_bwd_cudnn"
 MAX_HEAD_DIM = 256
-IMPLEMENTATION = "cuDNN fused attention (XLA FFI, gpu)"
-DROPOUT_IMPL = "cudnn"  # AttnAux.dropout_impl of calls whose keep-mask cuDNN drew
 _NOT_BUILT = "the CUDA toolkit, cuDNN or cudnn-frontend headers were not found at build time"
 _EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
 _WORKSPACE_MODES = ("scratch", "output")
@@ -127,10 +134,10 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def unavailable(problem: Problem) -> str | None:
+def unavailable(problem: Problem, platform: str) -> str | None:
     """Why the GPU `flash` backend cannot serve `problem`, or None when it can."""
     a, o = problem.arrays, problem.options
-    if not _ffi.has_target(FWD_TARGET, "gpu"):
+    if not _ffi.has_target(FWD_TARGET, platform):
         return (
             "this build of attnaux has no CUDA handlers (attnaux._ext_cuda was not built: "
             f"{_ffi.CUDA_IMPORT_ERROR or _NOT_BUILT})"
@@ -202,10 +209,10 @@ def _workspace(cfg: "Config", backward: bool, q, k, v, bias,
     """The workspace output of the FFI call: `(0,)` (cuDNN's workspace then comes from XLA's
     scratch allocator), or a buffer of the plan's size with ATTNAUX_CUDNN_WORKSPACE=output.
     Raises if cuDNN cannot build the graph."""
-    bias_b, bias_h = (bias.shape[0], bias.shape[1]) if _present(bias) else (0, 0)
+    bias_b, bias_h = (bias.shape[0], bias.shape[1]) if present(bias) else (0, 0)
     why, _, size = _plan(cfg, backward, jnp.dtype(q.dtype).name, q.shape[0], q.shape[2],
                          k.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3], bias_b,
-                         bias_h, (not _present(bias)) or bias.dtype == jnp.float32, rng_dump)
+                         bias_h, (not present(bias)) or bias.dtype == jnp.float32, rng_dump)
     if why:
         raise ValueError(f"backend='flash' (cuDNN) cannot run this call: {why}")
     size = max(int(size), 1) if _workspace_mode() == "output" else 0
@@ -270,124 +277,51 @@ def _attrs(cfg: Config) -> dict:
     )
 
 
-def _present(x: jax.Array) -> bool:
-    return x.ndim > 1 or x.shape != (0,)
-
-
 # ------------------------------------------------------------------------------------------------
-# vmap: fold the mapped axis into the kernel's batch (one launch), like the CPU kernels; with
-# dropout, map one element after another instead (folding would move each element's rows to other
-# batch indices of cuDNN's mask, so `vmap(f)(x)[n]` would differ from `f(x[n])` and from the
-# replayed mask).
+# The two FFI targets. Under vmap the kernel-call layer folds the mapped axis into the batch (one
+# launch), materialising the bias over it (its gradient comes back per element); with dropout it
+# maps one element after another (folding would move each element's rows to other batch indices
+# of cuDNN's mask, so `vmap(f)(x)[n]` would differ from `f(x[n])` and from the replayed mask).
 # ------------------------------------------------------------------------------------------------
-_BIAS = 3  # argument index of the bias
-_RNG = 6  # argument index of rng_state; every other argument is per batch element
-
-
-def _map_sequentially(fn, in_batched, args):
-    def one(mapped):
-        it = iter(mapped)
-        return fn(*(next(it) if b else x for x, b in zip(args, in_batched, strict=True)))
-
-    outs = jax.lax.map(one, tuple(x for x, b in zip(args, in_batched, strict=True) if b))
-    unbatched, batched = [], []
-    for o in outs:
-        if o.ndim == 2 and o.shape[1] == 0:  # an absent output, (0,) per element
-            unbatched.append(jnp.zeros((0,), o.dtype))
-            batched.append(False)
-        else:
-            unbatched.append(o)
-            batched.append(True)
-    return tuple(unbatched), tuple(batched)
-
-
-def _fold_rule(fn, dbias_output: int | None):
-    def rule(axis_size, in_batched, *args):
-        rng = args[_RNG]
-        if _present(rng[0] if in_batched[_RNG] else rng):
-            return _map_sequentially(fn, in_batched, args)
-        bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
-        bias = args[_BIAS]
-        bias_present = _present(bias[0] if in_batched[_BIAS] else bias)
-        bias_b = None
-        folded = []
-        for i, (x, b) in enumerate(zip(args, in_batched, strict=True)):
-            if i == _BIAS:
-                if not bias_present:
-                    folded.append(x[0] if b else x)
-                    continue
-                if not b:
-                    x = jnp.broadcast_to(x, (axis_size, *x.shape))
-                bias_b = x.shape[1]
-                x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
-                folded.append(x.reshape((axis_size * bsz, *x.shape[2:])))
-                continue
-            if i == _RNG:
-                folded.append(x[0] if b else x)  # absent here: (0,)
-                continue
-            if not b:
-                x = jnp.broadcast_to(x, (axis_size, *x.shape))
-            folded.append(x.reshape((axis_size * x.shape[1], *x.shape[2:])))
-        outs = fn(*folded)
-        unfolded, batched = [], []
-        for j, o in enumerate(outs):
-            if not _present(o):
-                unfolded.append(o)
-                batched.append(False)
-                continue
-            o = o.reshape((axis_size, o.shape[0] // axis_size, *o.shape[1:]))
-            if j == dbias_output and bias_b == 1:
-                o = jnp.sum(o, axis=1, keepdims=True)
-            unfolded.append(o)
-            batched.append(True)
-        return tuple(unfolded), tuple(batched)
-
-    return rule
+_OPERANDS = (("q", BATCH), ("k", BATCH), ("v", BATCH), ("bias", BROADCAST), ("q_len", BATCH),
+             ("kv_len", BATCH), ("rng", SHARED))
+_BACKWARD_EXTRA = (("out", BATCH), ("dout", BATCH), ("stats", BATCH))
 
 
 @functools.cache
-def _forward_call(cfg: Config):
-    @custom_vmap
-    def forward(q, k, v, bias, q_len, kv_len, rng):
+def _ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
+    def forward_shapes(ops):
+        q, k, v, bias = ops["q"], ops["k"], ops["v"], ops["bias"]
         bsz, q_seq, q_heads, _ = q.shape
         stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
         row_max = stats if cfg.with_max else jax.ShapeDtypeStruct((0,), jnp.float32)
-        call = jax.ffi.ffi_call(
-            FWD_TARGET,
-            (jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype), stats, row_max,
-             jax.ShapeDtypeStruct((0,), jnp.float32), _workspace(cfg, False, q, k, v, bias)),
+        return (jax.ShapeDtypeStruct((bsz, q_seq, q_heads, v.shape[-1]), q.dtype), stats,
+                row_max, jax.ShapeDtypeStruct((0,), jnp.float32),
+                _workspace(cfg, False, q, k, v, bias))
+
+    def backward_shapes(ops):
+        q, k, v, bias = ops["q"], ops["k"], ops["v"], ops["bias"]
+        wanted = present(bias) and cfg.bias_grad  # else dbias is (0,): no gradient written
+        return (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(bias.shape if wanted else (0,), bias.dtype),
+            _workspace(cfg, True, q, k, v, bias),
         )
-        return tuple(
-            call(q, k, v, bias, q_len, kv_len, rng,
-                 with_max=np.int32(cfg.with_max), composite=np.int32(cfg.composite),
-                 rng_dump=np.int32(0), **_attrs(cfg))
-        )[:3]
 
-    forward.def_vmap(_fold_rule(forward, None))
-    return forward
-
-
-@functools.cache
-def _backward_call(cfg: Config):
-    @custom_vmap
-    def backward(q, k, v, bias, q_len, kv_len, rng, out, dout, stats):
-        wanted = _present(bias) and cfg.bias_grad  # else dbias is (0,): no gradient written
-        dbias = jax.ShapeDtypeStruct(bias.shape if wanted else (0,), bias.dtype)
-        call = jax.ffi.ffi_call(
-            BWD_TARGET,
-            (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-                dbias,
-                _workspace(cfg, True, q, k, v, bias),
-            ),
-        )
-        return tuple(call(q, k, v, bias, q_len, kv_len, rng, out, dout, stats,
-                          **_attrs(cfg)))[:4]
-
-    backward.def_vmap(_fold_rule(backward, 3))
-    return backward
+    forward = KernelOp(
+        FWD_TARGET, _OPERANDS, ("out", "stats", "max", "rng_dump", "workspace"), forward_shapes,
+        dict(with_max=np.int32(cfg.with_max), composite=np.int32(cfg.composite),
+             rng_dump=np.int32(0), **_attrs(cfg)),
+        returns=("out", "stats", "max"), sequential_if_present=("rng",),
+    )
+    backward = KernelOp(
+        BWD_TARGET, _OPERANDS + _BACKWARD_EXTRA, ("dq", "dk", "dv", "dbias", "workspace"),
+        backward_shapes, _attrs(cfg), returns=("dq", "dk", "dv", "dbias"),
+        result_like={"dbias": "bias"}, sequential_if_present=("rng",),
+    )
+    return forward, backward
 
 
 # ------------------------------------------------------------------------------------------------
@@ -418,7 +352,8 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
 def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
-    out, stats, row_max = _forward_call(cfg)(q, k, v, bias, q_len, kv_len, rng)
+    r = _ops(cfg)[0](q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng)
+    out, stats, row_max = r["out"], r["stats"], r["max"]
     if cfg.with_max:  # cuDNN gave Max and Sum_exp
         lse = row_max + jnp.log(stats)
     else:  # cuDNN gave its Stats (lse) alone
@@ -439,26 +374,15 @@ def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
     return out, lse, row_max, stats
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
-    out, lse, row_max, _ = _forward(cfg, q, k, v, bias, q_len, kv_len, rng)
-    return out, lse, row_max
-
-
-def _core_fwd(cfg: Config, *primals):
-    args = tuple(p.value for p in primals)
+def _core_fwd(cfg: Config, differentiating: bool, *args):
     out, lse, row_max, stats = _forward(cfg, *args)
     return (out, lse, row_max), (args, out, stats)
 
 
-def _zero_cotangent(x) -> bool:
-    return isinstance(x, jax.custom_derivatives.SymbolicZero)
-
-
 def _core_bwd(cfg: Config, residuals, cotangents):
     (q, k, v, bias, q_len, kv_len, rng), out, stats = residuals
-    dout, dlse, _ = cotangents  # the row max carries no gradient
-    no_out, no_lse = _zero_cotangent(dout), _zero_cotangent(dlse)
+    dout, dlse, _ = cotangents  # the row max carries no gradient; absent ones are None
+    no_out, no_lse = dout is None, dlse is None
     if no_out and no_lse:
         return (None,) * 7
     dout = jnp.zeros_like(out) if no_out else dout.astype(out.dtype)
@@ -471,7 +395,13 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         dout = jnp.where(visible.transpose(0, 2, 1)[..., None], dout, 0)
         if not no_lse:
             dlse = jnp.where(visible, dlse, 0.0)
-    call = _backward_call(cfg)
+    backward_op = _ops(cfg)[1]
+
+    def call(q, k, v, bias, q_len, kv_len, rng, out, dout, stats):
+        r = backward_op(q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng, out=out,
+                        dout=dout, stats=stats)
+        return r["dq"], r["dk"], r["dv"], r["dbias"]
+
     extra = _EXTRA_COLUMNS
     common = (q_len, kv_len, rng)
     if no_lse:
@@ -497,7 +427,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
             dq1, dk1, _, dbias1 = call(q, k, v_1, bias, *common, o_1, do_1, stats)
             dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
             dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
-            if _present(dbias):
+            if present(dbias):
                 dbias = (dbias.astype(jnp.float32) + dbias1.astype(jnp.float32)).astype(bias.dtype)
     if cfg.padding:
         q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
@@ -508,10 +438,10 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         # dbias needs nothing: cuDNN's dS is 0 at padded rows (lse = +inf) and masked keys, and
         # the handler zeroes dbias first in case cuDNN skips them.
     # no gradient for a constant bias (made of a mask or segment ids alone)
-    return (dq, dk, dv, dbias if _present(dbias) else None, None, None, None)
+    return (dq, dk, dv, dbias if present(dbias) else None, None, None, None)
 
 
-_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+_core = compiled_vjp(_core_fwd, _core_bwd)
 
 
 def _with_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -551,8 +481,6 @@ def flash_attention_cuda(
     if masked:
         # Rows hidden by the mask or the segment ids still enter cuDNN's products with weight 0
         # (0 * NaN): zero them first, as the CPU kernels do.
-        from ._flash import zero_hidden_rows
-
         arrays = zero_hidden_rows(arrays, options)
         q, k, v = arrays.q, arrays.k, arrays.v
     cfg = _config(options, q_seq, kv_seq, with_max=with_max, masked=masked,
@@ -560,7 +488,7 @@ def flash_attention_cuda(
     cfg = cfg._replace(composite=bool(composite))
     bias = arrays.bias
     if bias is None and not masked:
-        bias = jnp.zeros((0,), jnp.float32)
+        bias = absent(jnp.float32)
     else:  # cuDNN broadcasts batch and heads; the sequence dims are materialised
         served = cfg._replace(with_max=True, composite=False)  # the graphs `unavailable` built
         _, bias_f32 = _check(served, jnp.dtype(q.dtype).name, bsz, q_heads, k.shape[2], q_seq,
@@ -589,6 +517,12 @@ def flash_attention_cuda(
     if arrays.sink is not None:
         out, lse = _with_sink(out, lse, arrays.sink)
     return out, lse, row_max
+
+
+def run(arrays: Canonical, options: Options, return_probs: bool):
+    """`(out, lse, max, None)` through cuDNN: the dispatch's entry (see `flash_attention_cuda`)."""
+    del return_probs  # flash saves no probabilities (the dispatch never asks it to)
+    return (*flash_attention_cuda(arrays, options), None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The products of attention are matrix multiplications that XLA hands to cuBLAS, w
 as they get; what XLA does not fuse well is everything between them. So on GPU:
 
 - forward: `S = q k^T` (float32 accumulation) by XLA; then one attnaux CUDA kernel
-  (`attnaux_probs_softmax_fwd`, `csrc/kernels_cuda.cu`) applies scale, softcap, bias, every mask
+  (`attnaux_probs_softmax_fwd`, `csrc/cuda/`) applies scale, softcap, bias, every mask
   rule and the sink, and writes `P` (input dtype, before dropout), `lse`, `max` and, with
   dropout, the weights `P * keep / (1 - rate)` (the documented Philox layout, so the mask is
   bitwise the CPU kernels'); then `out = weights v` by XLA.
@@ -28,9 +28,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._canon import Canonical, Options
-from ._flash import _EMPTY_DTYPES, _present, _usage, batched_ffi_call
-from ._probs import is_symbolic_zero, parameter_gradients
+from ._canon import Canonical, Options, Problem
+from ._kernel_call import (
+    BATCH,
+    CANONICAL_OPERANDS,
+    KernelOp,
+    attention_attrs,
+    attention_primitive,
+    present,
+    target_unavailable,
+    zero_hidden_rows,
+)
 
 FWD_TARGET = "attnaux_probs_softmax_fwd"
 BWD_TARGET = "attnaux_probs_softmax_bwd"
@@ -79,35 +87,11 @@ def _transposed_times(w: jax.Array, x: jax.Array, kv_heads: int, dtype) -> jax.A
     return out.astype(dtype)
 
 
-def _hides_rows(arrays: Canonical, options: Options) -> bool:
-    """Whether some q or k/v row may take part in no visible pair (statically)."""
-    return (
-        options.has_seqlens
-        or options.causal != 0
-        or options.window_left >= 0
-        or options.window_right >= 0
-        or arrays.mask is not None
-        or arrays.q_segment_ids is not None
-    )
-
-
-def _zero_unused_rows(arrays: Canonical, options: Options) -> Canonical:
-    """Zeroes the q rows and k/v rows that take part in no visible pair (see the module
-    docstring); a no-op, at trace time, when no option can hide a row."""
-    if not _hides_rows(arrays, options):
-        return arrays
-    q_rows, kv_rows = _usage(arrays, options)
-    return arrays._replace(
-        q=jnp.where(q_rows[..., None], arrays.q, 0),
-        k=jnp.where(kv_rows[..., None], arrays.k, 0),
-        v=jnp.where(kv_rows[..., None], arrays.v, 0),
-    )
-
-
-def _forward_shapes(q, k, v, *args):
+def _forward_shapes(ops):
+    q, k = ops["q"], ops["k"]
     bsz, q_seq, q_heads, _ = q.shape
     full = (bsz, q_heads, q_seq, k.shape[1])
-    has_dropout = _present(args[7])  # rng_state (canonical argument 10)
+    has_dropout = present(ops["rng_state"])
     return (
         jax.ShapeDtypeStruct(full, q.dtype),  # P
         jax.ShapeDtypeStruct(full if has_dropout else (0,), q.dtype),  # weights
@@ -116,76 +100,66 @@ def _forward_shapes(q, k, v, *args):
     )
 
 
-def _backward_shapes(q, k, v, bias, *args):
+def _backward_shapes(ops):
+    q, k = ops["q"], ops["k"]
     bsz, q_seq, q_heads, _ = q.shape
     full = (bsz, q_heads, q_seq, k.shape[1])
-    has_dropout = _present(args[6])  # rng_state (canonical argument 10)
+    has_dropout = present(ops["rng_state"])
     return (
         jax.ShapeDtypeStruct(full, q.dtype),  # scale * dR
         jax.ShapeDtypeStruct(full if has_dropout else (0,), q.dtype),  # weights
-        jax.ShapeDtypeStruct(full if _present(bias) else (0,), jnp.float32),  # dbias
+        jax.ShapeDtypeStruct(full if present(ops["bias"]) else (0,), jnp.float32),  # dbias
     )
 
 
-@functools.cache
-def _softmax_forward(options: Options):
-    # Arguments: the 11 canonical ones, then the float32 scores.
-    return batched_ffi_call(FWD_TARGET, options, _forward_shapes)
+_BACKWARD_EXTRA = (("probs", BATCH), ("dp", BATCH), ("dprobs", BATCH), ("dlse", BATCH),
+                   ("scores", BATCH))
 
 
 @functools.cache
-def _softmax_backward(options: Options):
-    # Arguments: the 11 canonical ones, then probs, dp, dprobs, dlse, scores (softcap) or (0,).
-    return batched_ffi_call(BWD_TARGET, options, _backward_shapes)
+def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
+    attrs = attention_attrs(options)
+    forward = KernelOp(FWD_TARGET, CANONICAL_OPERANDS + (("scores", BATCH),),
+                       ("probs", "weights", "lse", "max"), _forward_shapes, attrs,
+                       sequential_if_present=("rng_state",))
+    backward = KernelOp(BWD_TARGET, CANONICAL_OPERANDS + _BACKWARD_EXTRA,
+                        ("ds", "weights", "dbias"), _backward_shapes, attrs,
+                        sequential_if_present=("rng_state",))
+    return forward, backward
 
 
-def _forward(options: Options, args: tuple[jax.Array, ...]):
-    q, k, v = args[:3]
-    probs, weights, lse, row_max = _softmax_forward(options)(*args, _scores(q, k))
-    out = _weights_times(weights if _present(weights) else probs, v, q.dtype)
-    return out, lse, row_max, probs
+def _forward(options: Options, ops, write_probs: bool):
+    del write_probs  # P is an operand of the output product: always materialised
+    q, k, v = ops["q"], ops["k"], ops["v"]
+    r = _ops(options)[0](**ops, scores=_scores(q, k))
+    weights = r["weights"] if present(r["weights"]) else r["probs"]
+    out = _weights_times(weights, v, q.dtype)
+    return out, r["lse"], r["max"], r["probs"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _probs_gpu(options: Options, return_probs: bool, *args: jax.Array):
-    out, lse, row_max, probs = _forward(options, args)
-    return out, lse, row_max, (probs if return_probs else jnp.zeros((0,), probs.dtype))
-
-
-def _probs_gpu_fwd(options: Options, return_probs: bool, *args):
-    args = tuple(a.value for a in args)  # CustomVJPPrimal (symbolic_zeros=True)
-    out, lse, row_max, probs = _forward(options, args)
-    primal_probs = probs if return_probs else jnp.zeros((0,), probs.dtype)
-    return (out, lse, row_max, primal_probs), (args, out, lse, probs)
-
-
-def _probs_gpu_bwd(options: Options, return_probs: bool, residuals, cotangents):
-    args, out, lse, probs = residuals
-    q, k, v = args[:3]
+def _backward(options: Options, ops, out, lse, probs, dout, dlse, dprobs):
+    q, k, v = ops["q"], ops["k"], ops["v"]
     kv_heads = k.shape[2]
-    dout, dlse, _, dprobs = cotangents  # the row max carries no gradient
-    dout = jnp.zeros_like(out) if is_symbolic_zero(dout) else dout.astype(out.dtype)
-    dlse = jnp.zeros_like(lse) if is_symbolic_zero(dlse) else dlse.astype(jnp.float32)
-    if not return_probs or is_symbolic_zero(dprobs):
-        dprobs = jnp.zeros((0,), probs.dtype)
-    else:
-        dprobs = dprobs.astype(probs.dtype)
     dp = _scores(dout, v)  # dout v^T, float32 [B, Hq, Sq, Skv]
     raw = _scores(q, k) if options.softcap > 0 else jnp.zeros((0,), jnp.float32)
-    ds, weights, dbias_full = _softmax_backward(options)(*args, probs, dp, dprobs, dlse, raw)
+    r = _ops(options)[1](**ops, probs=probs, dp=dp, dprobs=dprobs, dlse=dlse, scores=raw)
+    ds = r["ds"]
+    weights = r["weights"] if present(r["weights"]) else probs
     dq = _weights_times(ds, k, q.dtype)
     dk = _transposed_times(ds, q, kv_heads, k.dtype)
-    dv = _transposed_times(weights if _present(weights) else probs, dout, kv_heads, v.dtype)
-    dbias, dsink = parameter_gradients(args, out, lse, probs, dout, dlse, dprobs, dbias_full)
-    return (dq, dk, dv, dbias) + (None,) * 5 + (dsink, None)
+    dv = _transposed_times(weights, dout, kv_heads, v.dtype)
+    return dq, dk, dv, r["dbias"]
 
 
-_probs_gpu.defvjp(_probs_gpu_fwd, _probs_gpu_bwd, symbolic_zeros=True)
+_primitive = attention_primitive(_forward, _backward)
 
 
-def probs_attention_gpu(
-    arrays: Canonical, options: Options, *, return_probs: bool
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+def unavailable(problem: Problem, platform: str) -> str | None:
+    """Why the CUDA softmax kernels of this backend cannot serve `problem`, or None."""
+    return target_unavailable(problem, FWD_TARGET, platform)
+
+
+def run(arrays: Canonical, options: Options, return_probs: bool):
     """The `probs` backend on GPU (see the module docstring).
 
     **Returns:**
@@ -193,9 +167,4 @@ def probs_attention_gpu(
     `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], probs [B,Hq,Sq,Skv] or None)`; `probs` is
     returned (and differentiable) exactly when `return_probs` is true.
     """
-    arrays = _zero_unused_rows(arrays, options)
-    args = tuple(
-        jnp.zeros((0,), dtype) if x is None else x for x, dtype in zip(arrays, _EMPTY_DTYPES)
-    )
-    out, lse, row_max, probs = _probs_gpu(options, bool(return_probs), *args)
-    return out, lse, row_max, (probs if return_probs else None)
+    return _primitive(zero_hidden_rows(arrays, options, band=True), options, return_probs)

@@ -1,0 +1,65 @@
+"""The `flash` backend on CPU: attnaux's blocked online-softmax C++ kernels (XLA FFI).
+
+The forward saves only `lse` (plus the inputs and the output); the backward recomputes the
+probabilities tile by tile from it. Both kernels are XLA FFI targets (`docs/kernel_abi.md`) with
+the canonical operands; the kernel-call layer gives them their vmap rule (one launch for a
+vmapped call) and their `custom_vjp`.
+"""
+
+import functools
+
+from ._canon import Canonical, Options, Problem
+from ._kernel_call import (
+    BATCH,
+    CANONICAL_OPERANDS,
+    GRADIENTS,
+    KernelOp,
+    absent,
+    attention_attrs,
+    attention_primitive,
+    attention_shapes,
+    gradient_shapes,
+    target_unavailable,
+    zero_hidden_rows,
+)
+
+FWD_TARGET = "attnaux_flash_fwd"
+BWD_TARGET = "attnaux_flash_bwd"
+
+_BACKWARD_EXTRA = (("out", BATCH), ("dout", BATCH), ("lse", BATCH), ("dlse", BATCH))
+
+
+@functools.cache
+def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
+    attrs = attention_attrs(options)
+    forward = KernelOp(FWD_TARGET, CANONICAL_OPERANDS, ("out", "lse", "max"), attention_shapes,
+                       attrs, sequential_if_present=("rng_state",))
+    backward = KernelOp(BWD_TARGET, CANONICAL_OPERANDS + _BACKWARD_EXTRA, GRADIENTS,
+                        gradient_shapes, attrs, sequential_if_present=("rng_state",))
+    return forward, backward
+
+
+def _forward(options: Options, ops, write_probs: bool):
+    r = _ops(options)[0](**ops)
+    return r["out"], r["lse"], r["max"], absent(ops["q"].dtype)  # flash writes no P
+
+
+def _backward(options: Options, ops, out, lse, probs, dout, dlse, dprobs):
+    r = _ops(options)[1](**ops, out=out, dout=dout, lse=lse, dlse=dlse)
+    return r["dq"], r["dk"], r["dv"], r["dbias"]
+
+
+_primitive = attention_primitive(_forward, _backward)
+
+
+def unavailable(problem: Problem, platform: str) -> str | None:
+    """Why the CPU kernels cannot serve `problem`, or None."""
+    return target_unavailable(problem, FWD_TARGET, platform)
+
+
+def run(arrays: Canonical, options: Options, return_probs: bool):
+    """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], None)` through the C++ kernels."""
+    del return_probs  # flash saves no probabilities (the dispatch never asks it to)
+    out, lse, row_max, _ = _primitive(zero_hidden_rows(arrays, options), options, False)
+    return out, lse, row_max, None
+
