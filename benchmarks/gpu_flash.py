@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 import attnaux
-from attnaux._canon import canonicalize
-from attnaux._flash_cuda import flash_attention_cuda
+from attnaux._flash_cudnn import flash_attention_cuda
+from attnaux._internal import canonical_problem
 
 SHAPES = [  # (b, s, h, d), as in BENCHMARKS.md's GPU table
     (8, 1024, 16, 128),
@@ -63,7 +63,7 @@ def attnaux_full(q, k, v, causal):
 
 
 def attnaux_lse(q, k, v, causal, composite=False):
-    problem = canonicalize(q, k, v, causal=causal)
+    problem = canonical_problem(q, k, v, causal=causal)
     out, lse, _ = flash_attention_cuda(problem.arrays, problem.options, with_max=False,
                                        composite=composite)
     return out, lse

@@ -12,7 +12,7 @@ entropy; training uses a z-loss on every layer's `aux.lse` and QK-clip (MuonClip
 import argparse
 
 from attnaux import introspect as ai
-from attnaux._demo import DemoConfig, final_auxes, train
+from attnaux._cli.train import DemoConfig, final_auxes, train
 
 
 def main() -> None:

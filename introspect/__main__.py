@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         name: _health.health(aux, saturation=saturation) for name, aux in collection.items()
     }
     print(f"{args.file}: {len(reports)} entries, saturation threshold {saturation}")
-    print(_health.format_table(reports))
+    print(_health.HealthReport.table_of(reports))
     if args.no_png:
         return 0
     png = args.png if args.png is not None else args.file.with_suffix(".png")

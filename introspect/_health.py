@@ -49,6 +49,29 @@ class HealthReport(eqx.Module):
     mean_entropy: Float[Array, "*layers q_heads"] | None = None
     saturation: float = eqx.field(static=True, default=DEFAULT_SATURATION)
 
+    def table(self, name: str = "aux") -> str:
+        """This report as a plain-text table, one line per head (`name` fills the layer
+        column). `print(report)` prints the same."""
+        return format_table({name: self})
+
+    def __str__(self) -> str:
+        return self.table()
+
+    @staticmethod
+    def table_of(collection) -> str:
+        """One plain-text table of many reports, one line per (layer, head).
+
+        **Arguments:**
+
+        - `collection`: a `HealthReport`, an `AttnAux`, or a mapping `{name: HealthReport or
+          AttnAux}` (an aux is reported with the default saturation threshold).
+
+        **Returns:**
+
+        The table; a warning line follows when any row has non-finite statistics.
+        """
+        return format_table(collection)
+
 
 def _per_head(x: jax.Array) -> jax.Array:
     """`[*batch, heads, q_seq(, ...)]` -> `[heads, rows]` (the trailing axes must be removed)."""

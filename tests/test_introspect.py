@@ -738,5 +738,19 @@ def test_end_to_end_training_with_z_loss_save_load_report(tmp_path):
     from attnaux.introspect.__main__ import main
 
     assert main(["report", str(path), "--no-png"]) == 0
-    table = ai._health.format_table(reports)
+    table = ai.HealthReport.table_of(reports)
     assert table.count("layer0") == 4 and table.count("layer1") == 4
+
+
+def test_health_report_prints_its_table():
+    """`print(report)` / `report.table()` give the per-head table through the public API, the
+    same rows as a collection's table."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 6, 3, 4)) for i in range(3))
+    _, aux = ax.attention(q, k, v, causal=True)
+    report = ai.health(aux)
+    lines = str(report).splitlines()
+    assert lines[0].split()[:3] == ["layer", "head", "rows"]
+    assert len(lines) == 2 + 3  # header, rule, one line per head
+    assert report.table(name="attn").splitlines()[2].startswith("attn")
+    assert ai.HealthReport.table_of({"aux": report}) == str(report)
+    assert all(line.split()[2] == "12" for line in lines[2:])  # 2 batches x 6 rows per head

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .nn import Decoder
+from attnaux.nn import Decoder
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ def qk_clip_model(model: Decoder, auxes, threshold: float) -> tuple[Decoder, jax
     """MuonClip: scales the query projection of every head whose max logit exceeded `threshold`
     by `threshold / max_logit`, so its logits shrink by that factor (exact with shared kv heads,
     unlike splitting the factor between query and key). Returns the model and the factors."""
-    from . import introspect as ai
+    from attnaux import introspect as ai
 
     factors = []
     for i, aux in enumerate(auxes):
@@ -78,7 +78,7 @@ def qk_clip_model(model: Decoder, auxes, threshold: float) -> tuple[Decoder, jax
 
 def train(config: DemoConfig, *, progress: bool = True, log=print):
     """Trains the decoder; returns `(model, history)`. `history` holds one dict per log step."""
-    from . import introspect as ai
+    from attnaux import introspect as ai
 
     key = jax.random.key(config.seed)
     model_key, data_key = jax.random.split(key)

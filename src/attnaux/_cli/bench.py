@@ -7,7 +7,7 @@ Run it as `python -m attnaux bench`. Conventions follow `BENCHMARKS.md`:
   each ended by `jax.block_until_ready`.
 - Forward: attnaux returns `(out, lse, max)`, XLA returns `out`. Forward+backward: `jax.grad` of
   `sum(out * dout)` (a fixed random `dout`) with respect to `q, k, v`, jitted.
-- Peak memory: each (candidate, pass) runs in a fresh subprocess (`python -m attnaux._bench
+- Peak memory: each (candidate, pass) runs in a fresh subprocess (`python -m attnaux._cli.bench
   _memory ...`) that creates its inputs, compiles ahead of time, resets the process's RSS
   high-water mark, runs the call twice and reports the peak RSS (`VmHWM`, what `getrusage`'s
   `ru_maxrss` reports minus what a child inherits from its parent) minus the RSS it had before
@@ -304,7 +304,7 @@ def run_memory_child(candidate: str, pass_: str, shape: Shape, timeout: float = 
     the out-of-memory killer, typically) still yields a lower bound, `peak_at_least`; `error`
     then says what happened.
     """
-    command = [sys.executable, "-m", "attnaux._bench", "_memory", candidate, pass_,
+    command = [sys.executable, "-m", "attnaux._cli.bench", "_memory", candidate, pass_,
                shape_str(shape)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
@@ -507,8 +507,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _child(argv: list[str]) -> int:
-    """`python -m attnaux._bench _memory CANDIDATE PASS SHAPE`: prints two JSON lines."""
-    parser = argparse.ArgumentParser(prog="python -m attnaux._bench _memory")
+    """`python -m attnaux._cli.bench _memory CANDIDATE PASS SHAPE`: prints two JSON lines."""
+    parser = argparse.ArgumentParser(prog="python -m attnaux._cli.bench _memory")
     parser.add_argument("candidate", choices=tuple(CANDIDATES))
     parser.add_argument("pass_", choices=PASSES, metavar="pass")
     parser.add_argument("shape", type=parse_shape)
@@ -520,7 +520,7 @@ def _child(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_memory"]:
         sys.exit(_child(sys.argv[2:]))
-    bench_parser = argparse.ArgumentParser(prog="python -m attnaux._bench", description=__doc__,
+    bench_parser = argparse.ArgumentParser(prog="python -m attnaux._cli.bench", description=__doc__,
                                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(bench_parser)
     sys.exit(main(bench_parser.parse_args()))
