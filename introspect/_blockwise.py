@@ -15,8 +15,8 @@ import numpy as np
 from beartype import BeartypeConf, beartype
 from jaxtyping import Array
 
-from attnaux import AttnAux
 from attnaux._internal import (
+    AttnAux,
     Canonical,
     Options,
     Problem,

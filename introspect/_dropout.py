@@ -3,8 +3,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from attnaux import AttnAux
-from attnaux._internal import cudnn_dropout_keep_mask, dropout_keep_mask
+from attnaux._internal import AttnAux, cudnn_dropout_keep_mask, dropout_keep_mask
 
 
 @jaxtyped(typechecker=beartype)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, jaxtyped
 
-from attnaux import AttnAux
+from attnaux._internal import AttnAux
 
 from ._blockwise import typechecker
 

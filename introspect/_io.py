@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnaux import AttnAux
+from attnaux._internal import AttnAux
 
 _FORMAT = "attnaux.introspect.aux-collection"
 _VERSION = 1

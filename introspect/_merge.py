@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, jaxtyped
 
-from attnaux import AttnAux
+from attnaux._internal import AttnAux
 
 from ._blockwise import Arr, typechecker
 

@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Float32, jaxtyped
 
-from attnaux import AttnAux
+from attnaux._internal import AttnAux
 
 from ._blockwise import Arr, typechecker
 

@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, jaxtyped
 
-from attnaux import AttnAux
-from attnaux._internal import Canonical, Options
+from attnaux._internal import AttnAux, Canonical, Options
 
 from ._blockwise import (
     DEFAULT_BLOCK_SIZE,

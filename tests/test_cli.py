@@ -1,5 +1,7 @@
 """The command lines: `python -m attnaux` (the demonstration) and its `--help`."""
 
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -38,3 +40,21 @@ def test_demo_trains_saves_and_reports(tmp_path):
 def test_bad_option_is_a_clear_error():
     result = run("demo", "--batch", "0")
     assert result.returncode == 2 and "positive integer" in result.stderr
+
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_decoder.py"
+
+
+def test_example_is_self_contained_and_trains(tmp_path):
+    """`examples/train_decoder.py` is a copyable script on the public API: it imports no private
+    module of attnaux, and runs as it is outside the repository."""
+    source = EXAMPLE.read_text()
+    assert not re.search(r"attnaux\._|attnaux\.\w+\._", source), "imports a private module"
+    copy = tmp_path / "train.py"
+    copy.write_text(source)
+    result = subprocess.run(
+        [sys.executable, str(copy), "--steps", "3", "--save", str(tmp_path / "aux.npz")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(ai.load(tmp_path / "aux.npz")) == ["layer0", "layer1"]

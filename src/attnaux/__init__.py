@@ -21,8 +21,7 @@ from ._softmax import (
 from ._softmax import (
     softmax_kernel_available as softmax_kernel_available,
 )
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "AttnAux",

@@ -97,3 +97,15 @@ def ext_cuda():
 def has_target(name: str, platform: str) -> bool:
     """Whether the FFI target `name` was registered for `platform` ("cpu", "cuda")."""
     return platform in REGISTERED.get(name, ())
+
+
+def target_unavailable(target: str, platform: str, dtype=None) -> str | None:
+    """Why the FFI target `target` cannot serve a call with inputs of `dtype` on `platform`
+    (not registered there, or float64 inputs, which no compiled kernel takes), or None."""
+    if dtype is not None and dtype == "float64":
+        return "float64 inputs run only on the reference backend"
+    if not has_target(target, platform):
+        if IMPORT_ERROR is not None:
+            return f"the compiled extension is not available ({IMPORT_ERROR})"
+        return f"no compiled implementation for the {platform!r} platform in this build"
+    return None

@@ -9,6 +9,7 @@ vmapped call) and their `custom_vjp`.
 import functools
 
 from ._canon import Canonical, Options, Problem
+from ._ffi import target_unavailable
 from ._kernel_call import (
     BATCH,
     CANONICAL_OPERANDS,
@@ -19,9 +20,8 @@ from ._kernel_call import (
     attention_primitive,
     attention_shapes,
     gradient_shapes,
-    target_unavailable,
-    zero_hidden_rows,
 )
+from ._masking import zero_hidden_rows
 
 FWD_TARGET = "attnaux_flash_fwd"
 BWD_TARGET = "attnaux_flash_bwd"
@@ -54,7 +54,7 @@ _primitive = attention_primitive(_forward, _backward)
 
 def unavailable(problem: Problem, platform: str) -> str | None:
     """Why the CPU kernels cannot serve `problem`, or None."""
-    return target_unavailable(problem, FWD_TARGET, platform)
+    return target_unavailable(FWD_TARGET, platform, problem.arrays.q.dtype)
 
 
 def run(arrays: Canonical, options: Options, return_probs: bool):

@@ -70,8 +70,8 @@ from ._kernel_call import (
     absent,
     compiled_vjp,
     present,
-    zero_hidden_rows,
 )
+from ._masking import zero_hidden_rows
 
 FWD_TARGET = "attnaux_flash_fwd_cudnn"
 BWD_TARGET = "attnaux_flash_bwd_cudnn"

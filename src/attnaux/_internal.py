@@ -7,6 +7,8 @@ them: the canonical problem of a call, the masking rules and the dropout keep-ma
 
 - `canonical_problem(q, k, v, **options)`: validates the keyword options of `attnaux.attention`
   that shape the logits (parsing the static ones once) and returns the canonical `Problem`.
+- `AttnAux`: the public aux class (re-exported here so that introspect sits low in the import
+  graph: it never needs the package facade `attnaux/__init__.py`).
 - `Canonical`, `Options`, `Problem`: the canonical form (`docs/kernel_abi.md`).
 - `static_float(name, value, allow_none=...)`: the validation of a static float option.
 - `visibility(arrays, options, keys=None, kv_seq=None)`: the masking rules, in one place.
@@ -17,6 +19,7 @@ them: the canonical problem of a call, the masking rules and the dropout keep-ma
 
 from typing import Any
 
+from ._aux import AttnAux as AttnAux
 from ._canon import Canonical as Canonical
 from ._canon import Options as Options
 from ._canon import Problem as Problem

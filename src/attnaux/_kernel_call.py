@@ -12,10 +12,11 @@
   (`docs/kernel_abi.md`): residuals, cotangents, and the parameter (bias, sink) gradients.
 - `kernel_operands`, `gradient_shapes`, `attention_shapes`: the canonical operands by name and
   the result shapes every attention kernel shares.
-- `zero_hidden_rows`: q and k/v rows that take part in no visible pair zeroed before a kernel
-  multiplies them (so `0 * NaN` stored in padding never reaches a result).
 - `fixed_order_sum`: reductions whose result does not depend on XLA's threading.
-- `target_unavailable`: why a registered FFI target cannot run here.
+
+The rest of the layer is `_masking.py`: the masking rules and the hidden-row pass (q and k/v
+rows that take part in no visible pair zeroed before a kernel multiplies them). Neither module
+imports any other part of attnaux, so every backend is one level above them.
 
 Absent operands and results are `(0,)` arrays (the kernels' convention).
 """
@@ -30,9 +31,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import SymbolicZero
 
-from . import _ffi
-from ._canon import Canonical, Options, Problem
-from ._masking import visibility
+Canonical = Any  # `_canon.Canonical`: the canonical arrays of a call (read by field)
+Options = Any  # `_canon.Options`: its static options (read by field)
 
 BATCH = "batch"  # leading dim is the batch
 BROADCAST = "broadcast"  # leading dim 1 or the batch (bias, mask), or absent
@@ -63,17 +63,6 @@ def present(x: jax.Array) -> bool:
 def is_symbolic_zero(ct: Any) -> bool:
     """Whether a cotangent is absent (a symbolic zero under `symbolic_zeros=True`)."""
     return ct is None or isinstance(ct, SymbolicZero)
-
-
-def target_unavailable(problem: Problem | None, target: str, platform: str) -> str | None:
-    """Why the FFI target `target` cannot serve a call on `platform`, or None."""
-    if problem is not None and problem.arrays.q.dtype == jnp.float64:
-        return "float64 inputs run only on the reference backend"
-    if not _ffi.has_target(target, platform):
-        if _ffi.IMPORT_ERROR is not None:
-            return f"the compiled extension is not available ({_ffi.IMPORT_ERROR})"
-        return f"no compiled implementation for the {platform!r} platform in this build"
-    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,88 +379,6 @@ def attention_primitive(forward: Callable, backward: Callable) -> Callable:
         return out, lse, row_max, (probs if return_probs else None)
 
     return run
-
-
-# ------------------------------------------------------------------------------------------------
-# Rows that take part in no visible pair
-# ------------------------------------------------------------------------------------------------
-_USAGE_BLOCK = 512  # key columns per step when finding the rows no visible pair uses
-
-
-def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array]:
-    """Which q rows (`bool[B, Sq, Hq or 1]`) and k/v rows (`bool[B, Skv, Hkv or 1]`) take part
-    in at least one visible pair; computed one block of keys at a time, so memory stays linear in
-    the sequence length."""
-    bsz, q_seq, q_heads, _ = arrays.q.shape
-    kv_seq, kv_heads = arrays.k.shape[1:3]
-    group = q_heads // kv_heads
-    mask, kv_seg = arrays.mask, arrays.kv_segment_ids
-    heads = 1 if mask is None else mask.shape[1]
-    block = max(1, min(_USAGE_BLOCK, kv_seq))
-    n_blocks = -(-kv_seq // block)
-    pad = n_blocks * block - kv_seq
-    mask_full_keys = mask is not None and mask.shape[3] == kv_seq and kv_seq > 1
-    if pad and mask_full_keys:
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, pad)))
-    if pad and kv_seg is not None:
-        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)))
-
-    def step(rows_used, index):
-        start = index * block
-        sliced = arrays._replace(
-            mask=jax.lax.dynamic_slice_in_dim(mask, start, block, 3) if mask_full_keys else mask,
-            kv_segment_ids=None if kv_seg is None
-            else jax.lax.dynamic_slice_in_dim(kv_seg, start, block, 1),
-        )
-        keys = start + jnp.arange(block, dtype=jnp.int32)
-        visible = visibility(sliced, options, keys=keys, kv_seq=kv_seq)  # [B, heads, Sq, block]
-        cols = visible.any(axis=2)  # [B, heads, block]
-        if heads == q_heads and group > 1:
-            cols = cols.reshape(bsz, kv_heads, group, block).any(axis=2)
-        return rows_used | visible.any(axis=3), cols
-
-    rows_used, cols = jax.lax.scan(
-        step, jnp.zeros((bsz, heads, q_seq), bool), jnp.arange(n_blocks, dtype=jnp.int32)
-    )
-    cols = cols.transpose(1, 0, 3, 2).reshape(bsz, n_blocks * block, -1)[:, :kv_seq]
-    return rows_used.transpose(0, 2, 1), cols
-
-
-def _hides_rows(arrays: Canonical, options: Options) -> bool:
-    """Whether some q or k/v row may take part in no visible pair (statically)."""
-    return (
-        options.has_seqlens
-        or options.causal != 0
-        or options.window_left >= 0
-        or options.window_right >= 0
-        or arrays.mask is not None
-        or arrays.q_segment_ids is not None
-    )
-
-
-def zero_hidden_rows(arrays: Canonical, options: Options, *, band: bool = False) -> Canonical:
-    """Zeroes the q rows and k/v rows that take part in no visible pair.
-
-    Kernels that select inside a tile (the CPU kernels, cuDNN) never read rows past the
-    sequence lengths and skip key ranges outside the causal or window band, but a row hidden by a
-    boolean mask or by the segment ids still enters the products `P @ V`, `dS @ K` and
-    `dS^T @ Q` with weight 0, and `0 * NaN` is NaN: for them (`band=False`) only a mask or
-    segment ids trigger the pass. Dense GEMMs multiply every row, so they ask with `band=True`:
-    lengths and the causal/window band count too. Either way the convention holds that nothing
-    stored in a masked-out position reaches any output or gradient; the pass costs one scan over
-    the visibility pattern and one over q, k and v, and only when some row can be hidden.
-    """
-    hides = _hides_rows(arrays, options) if band else (
-        arrays.mask is not None or arrays.q_segment_ids is not None
-    )
-    if not hides:
-        return arrays
-    q_rows, kv_rows = row_usage(arrays, options)
-    return arrays._replace(
-        q=jnp.where(q_rows[..., None], arrays.q, 0),
-        k=jnp.where(kv_rows[..., None], arrays.k, 0),
-        v=jnp.where(kv_rows[..., None], arrays.v, 0),
-    )
 
 
 # ------------------------------------------------------------------------------------------------

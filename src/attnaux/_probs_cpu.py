@@ -6,7 +6,9 @@ scores (the probability-saving ABI of `docs/kernel_abi.md`, shared with `small_s
 """
 
 from ._canon import Canonical, Options, Problem
-from ._kernel_call import probs_kernel_primitive, target_unavailable, zero_hidden_rows
+from ._ffi import target_unavailable
+from ._kernel_call import probs_kernel_primitive
+from ._masking import zero_hidden_rows
 
 FWD_TARGET = "attnaux_probs_fwd"
 BWD_TARGET = "attnaux_probs_bwd"
@@ -16,7 +18,7 @@ _primitive = probs_kernel_primitive(FWD_TARGET, BWD_TARGET)
 
 def unavailable(problem: Problem, platform: str) -> str | None:
     """Why the CPU kernels cannot serve `problem`, or None."""
-    return target_unavailable(problem, FWD_TARGET, platform)
+    return target_unavailable(FWD_TARGET, platform, problem.arrays.q.dtype)
 
 
 def run(arrays: Canonical, options: Options, return_probs: bool):

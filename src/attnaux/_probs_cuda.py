@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ._canon import Canonical, Options, Problem
+from ._ffi import target_unavailable
 from ._kernel_call import (
     BATCH,
     CANONICAL_OPERANDS,
@@ -36,9 +37,8 @@ from ._kernel_call import (
     attention_attrs,
     attention_primitive,
     present,
-    target_unavailable,
-    zero_hidden_rows,
 )
+from ._masking import zero_hidden_rows
 
 FWD_TARGET = "attnaux_probs_softmax_fwd"
 BWD_TARGET = "attnaux_probs_softmax_bwd"
@@ -156,7 +156,7 @@ _primitive = attention_primitive(_forward, _backward)
 
 def unavailable(problem: Problem, platform: str) -> str | None:
     """Why the CUDA softmax kernels of this backend cannot serve `problem`, or None."""
-    return target_unavailable(problem, FWD_TARGET, platform)
+    return target_unavailable(FWD_TARGET, platform, problem.arrays.q.dtype)
 
 
 def run(arrays: Canonical, options: Options, return_probs: bool):

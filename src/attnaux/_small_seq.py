@@ -6,7 +6,9 @@ registered under the same FFI targets and share the probability-saving ABI of
 """
 
 from ._canon import Canonical, Options, Problem
-from ._kernel_call import probs_kernel_primitive, target_unavailable, zero_hidden_rows
+from ._ffi import target_unavailable
+from ._kernel_call import probs_kernel_primitive
+from ._masking import zero_hidden_rows
 
 FWD_TARGET = "attnaux_small_seq_fwd"
 BWD_TARGET = "attnaux_small_seq_bwd"
@@ -24,7 +26,7 @@ def unavailable(problem: Problem, platform: str) -> str | None:
             f"it needs q_seq == 1 and kv_seq <= {MAX_KV_SEQ} (one query row against a "
             f"handful of keys); got q_seq={q_seq} and kv_seq={kv_seq}"
         )
-    return target_unavailable(problem, FWD_TARGET, platform)
+    return target_unavailable(FWD_TARGET, platform, problem.arrays.q.dtype)
 
 
 def run(arrays: Canonical, options: Options, return_probs: bool):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._canon import SoftmaxOptions
+from ._ffi import target_unavailable
 from ._kernel_call import (
     BATCH,
     BROADCAST,
@@ -17,7 +18,6 @@ from ._kernel_call import (
     absent,
     compiled_vjp,
     present,
-    target_unavailable,
 )
 
 FWD_TARGET = "attnaux_softmax_fwd"
@@ -29,7 +29,7 @@ def unavailable(dtype: jnp.dtype, platform: str) -> str | None:
     if dtype == jnp.float64:
         return "float64 logits run only on the pure-JAX reference path"
     for target in (FWD_TARGET, BWD_TARGET):
-        why = target_unavailable(None, target, platform)
+        why = target_unavailable(target, platform)
         if why is not None:
             if platform != "cpu":
                 return f"no compiled softmax kernel for the {platform!r} platform in this build"

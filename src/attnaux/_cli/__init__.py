@@ -1,9 +1,5 @@
-"""The command line's work, kept out of the library's core modules: `python -m attnaux`
-(`attnaux/__main__.py`) is a thin entry point that parses the arguments and calls these.
-
-- `demo`: one attention call and its aux, then a short training run with a health report.
-- `train`: the small decoder training loop the demo runs (public API only).
-- `bench`: the CPU benchmark harness, attnaux `flash` against XLA.
-
-They use attnaux's public API only.
+"""The command line's benchmark harness, kept out of the library's core modules:
+`python -m attnaux bench` (`attnaux/__main__.py`, a thin entry point) parses the arguments and
+calls `bench.main`. It imports the public functions from their modules, never the package
+facade, so it sits one level above the public API and the entry point one above it.
 """

@@ -31,7 +31,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-import attnaux
+from attnaux._attention import attention, explain
+from attnaux._version import __version__
 
 Shape = tuple[int, int, int, int]  # (b, s, h, d), layout BSHD
 
@@ -50,7 +51,7 @@ DTYPE = jnp.float32
 
 
 def _attnaux_flash(q, k, v, *, causal: bool):
-    out, aux = attnaux.attention(q, k, v, causal=causal, backend="flash")
+    out, aux = attention(q, k, v, causal=causal, backend="flash")
     return out, aux.lse, aux.max
 
 
@@ -101,7 +102,7 @@ def flash_unavailable(shape: Shape = (1, 8, 1, 8)) -> str | None:
     """Why `backend="flash"` cannot run here (for example, the extension is not built), or None."""
     spec = jax.ShapeDtypeStruct(shape, DTYPE)
     try:
-        attnaux.explain(spec, spec, spec, backend="flash")
+        explain(spec, spec, spec, backend="flash")
     except ValueError as error:
         return str(error)
     return None
@@ -462,7 +463,7 @@ def main(args: argparse.Namespace) -> int:
 
     device = jax.devices()[0]
     lines = [
-        f"attnaux {attnaux.__version__}, JAX {jax.__version__}, {device.platform.upper()}: "
+        f"attnaux {__version__}, JAX {jax.__version__}, {device.platform.upper()}: "
         f"{_cpu_name()}, {os.cpu_count()} cores; float32, layout BSHD, q/k/v heads equal. "
         f"Load average (1 min) at start / end: {load_start} / {_load()}.",
         "",
