@@ -68,6 +68,7 @@ from ._kernel_call import (
     SHARED,
     KernelOp,
     absent,
+    attention_attrs,
     compiled_vjp,
     present,
 )
@@ -266,15 +267,8 @@ def _masked_bias(a: Canonical, bias, dtype, bsz: int, q_seq: int, kv_seq: int) -
 
 
 def _attrs(cfg: Config) -> dict:
-    return dict(
-        scale=np.float32(cfg.scale),
-        causal=np.int32(cfg.causal),
-        window_left=np.int64(cfg.window_left),
-        window_right=np.int64(cfg.window_right),
-        padding=np.int32(cfg.padding),
-        softcap=np.float32(cfg.softcap),
-        dropout_rate=np.float32(cfg.dropout_rate),
-    )
+    # The attention attributes of every kernel (Config has those fields), and cuDNN's padding.
+    return dict(attention_attrs(cfg), padding=np.int32(cfg.padding))
 
 
 # ------------------------------------------------------------------------------------------------
