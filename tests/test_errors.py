@@ -129,10 +129,10 @@ CASES = [
          r"`mask` of shape \(3, 5, 6\) does not broadcast", "mask"),
     Case("mask_batch_not_broadcast", _kw(mask=jnp.ones((3, 1, SQ, SKV), bool)), ValueError,
          r"`mask` of shape \(3, 1, 5, 6\) does not broadcast", "mask"),
-    Case("mask_rank1", _kw(mask=jnp.ones((SKV,), bool)), ValueError,
-         r"`mask` must broadcast to .* between 2 and 4 dimensions; got shape \(6,\)", "mask"),
+    Case("mask_rank1_wrong", _kw(mask=jnp.ones((SKV + 1,), bool)), ValueError,
+         r"`mask` of shape \(7,\) does not broadcast to .*kv_seq=6", "mask"),
     Case("mask_rank5", _kw(mask=jnp.ones((1, B, HQ, SQ, SKV), bool)), ValueError,
-         r"`mask` must broadcast to .* between 2 and 4 dimensions; got shape \(1, 2, 4, 5, 6\)",
+         r"`mask` must broadcast to .* at most 4 dimensions; got shape \(1, 2, 4, 5, 6\)",
          "mask"),
     # --- bias ----------------------------------------------------------------------------------
     Case("bias_not_broadcast", _kw(bias=jnp.zeros((B, HQ, SQ, SKV + 1))), ValueError,
@@ -274,15 +274,17 @@ def test_canonicalize_checks(case):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_public_entry_point(case):
-    """Through `attnaux.attention`: jaxtyping names the parameter where it sees the mistake,
-    the explicit check fires where it cannot."""
-    if case.param is None:
-        with pytest.raises(case.exc, match=case.match) as info:
-            case.call(attnaux.attention)
-        assert not isinstance(info.value, jaxtyping.TypeCheckError)
-    else:
-        with pytest.raises(jaxtyping.TypeCheckError, match=rf"parameter '{case.param}'"):
-            case.call(attnaux.attention)
+    """Through `attnaux.attention`: every mistake is the same one short sentence as without
+    jaxtyping; where jaxtyping saw it first, its full report (naming the parameter) is the
+    cause."""
+    with pytest.raises(case.exc, match=case.match) as info:
+        case.call(attnaux.attention)
+    assert not isinstance(info.value, jaxtyping.TypeCheckError)
+    assert len(str(info.value).splitlines()) <= 2, str(info.value)
+    if case.param is not None and not jaxtyping.config.jaxtyping_disable:
+        cause = info.value.__cause__
+        assert isinstance(cause, jaxtyping.TypeCheckError), repr(cause)
+        assert f"parameter '{case.param}'" in str(cause)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -292,25 +294,36 @@ def test_explain_validates_the_same_way(case):
         case.call(attnaux.explain)
 
 
-def test_shape_error_is_raised_by_jaxtyping():
-    """A shape mismatch jaxtyping can see is reported by jaxtyping, naming parameter and shape."""
+def test_shape_error_is_short_with_jaxtypings_report_as_cause():
+    """A shape mismatch jaxtyping sees comes out as one sentence naming the argument, the
+    expected shape with its bound sizes and what came; jaxtyping's report is the cause."""
     if jaxtyping.config.jaxtyping_disable:
         pytest.skip("jaxtyping checking is disabled (JAXTYPING_DISABLE)")
     k_bad = jnp.zeros((B, SKV, HKV, D + 1))
-    with pytest.raises(jaxtyping.TypeCheckError) as info:
+    with pytest.raises(ValueError) as info:
         attnaux.attention(Q, k_bad, V)
-    assert isinstance(info.value, TypeError)  # so `except TypeError` catches it
     message = str(info.value)
-    assert "parameter 'k'" in message
-    assert "f32[2,6,2,9]" in message  # what came
-    assert "qk_dim" in message  # what was expected
+    assert message.startswith("`k` must have the same head dimension"), message
+    assert "8" in message and "(2, 6, 2, 9)" in message  # expected and what came
+    cause = info.value.__cause__
+    assert isinstance(cause, jaxtyping.TypeCheckError)
+    assert "parameter 'k'" in str(cause) and "f32[2,6,2,9]" in str(cause)
+    v_bad = jnp.zeros((B, SKV + 1, HKV, DV))
+    with pytest.raises(ValueError, match=r"`v` must have shape \[\*batch, kv_seq=6, kv_heads=2"):
+        attnaux.attention(Q, K, v_bad)
+    with pytest.raises(TypeError, match=r"`q` must have a floating dtype.*int32"):
+        attnaux.attention(Q.astype(jnp.int32), K, V)
+    with pytest.raises(ValueError, match=r"`mask` of shape \(5, 7\) .*q_seq=5, kv_seq=6"):
+        attnaux.attention(Q, K, V, mask=jnp.ones((SQ, SKV + 1), bool))
 
 
 def test_jaxtyping_checks_at_trace_time_under_jit():
     """Under `jax.jit` the shape check still fires (at trace time), before any kernel."""
     bias = jnp.zeros((B, HQ, SQ, SKV + 1))
-    with pytest.raises(TypeError, match=r"parameter 'bias'"):
+    with pytest.raises(ValueError, match=r"`bias` of shape \(2, 4, 5, 7\)") as info:
         jax.jit(lambda q, k, v, b: attnaux.attention(q, k, v, bias=b))(Q, K, V, bias)
+    if not jaxtyping.config.jaxtyping_disable:
+        assert "parameter 'bias'" in str(info.value.__cause__)
     with pytest.raises(ValueError, match=r"`bias` of shape \(2, 4, 5, 7\)"):
         jax.jit(lambda q, k, v, b: UNCHECKED(q, k, v, bias=b))(Q, K, V, bias)
 
@@ -333,6 +346,9 @@ def test_good_calls_pass_validation():
     good = [
         dict(bias=jnp.zeros((SQ, SKV)), mask=jnp.ones((SQ, SKV), bool)),
         dict(bias=jnp.zeros((1, SKV)), mask=jnp.ones((SQ, 1), bool)),
+        dict(bias=jnp.zeros((SKV,)), mask=jnp.arange(SKV) <= 3),  # rank 1, as jax.nn takes it
+        dict(bias=jnp.zeros(()), mask=jnp.asarray(True)),  # rank 0
+        dict(window=(np.int64(2), 0)),  # NumPy ints, as the parser accepts them
         dict(bias=jnp.zeros((HQ, 1, SKV)), mask=jnp.ones((1, HQ, SQ, SKV), bool)),
         dict(bias=jnp.zeros((B, 1, SQ, SKV)), mask=np.ones((B, HQ, SQ, SKV), bool)),
         dict(q_seqlens=np.array([1, 5], np.int64), kv_seqlens=jnp.array([0, 6], jnp.int32)),

@@ -41,7 +41,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         _ffi.ext_cuda() is None,
-        reason=f"attnaux._ext_cuda was not built ({_ffi.CUDA_IMPORT_ERROR}); see the README, "
+        reason=f"no CUDA handlers: {_ffi.CUDA_IMPORT_ERROR}; see the README, "
         "'GPU build and test'",
     ),
 ]

@@ -3,7 +3,7 @@ import functools
 import jax
 import numpy as np
 from beartype import BeartypeConf, beartype
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, jaxtyped
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, TypeCheckError, jaxtyped
 
 from ._aux import AttnAux
 from ._canon import canonicalize, check_key, parse_statics
@@ -15,9 +15,13 @@ _typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
 # Static floats: Python or NumPy scalars, or a concrete 0-d JAX array (traced ones are rejected
 # with a clear message by `_canon._static_float`).
 _Scalar = float | np.floating | Array
-# bias and mask broadcast against [*batch, q_heads, q_seq, kv_seq]; a plain [q_seq, kv_seq] works.
-_Bias = Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"]
-_Mask = Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"]
+# bias and mask broadcast by NumPy's right-aligned rules, so a lower rank works too: `[kv_seq]`
+# for a key mask, `[q_seq, kv_seq]`, or a scalar.
+_Bias = (Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #kv_seq"]
+         | Float[_Arr, "#kv_seq"] | Float[_Arr, ""])
+_Mask = (Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"]
+         | Bool[_Arr, "#kv_seq"] | Bool[_Arr, ""])
+_WindowSide = int | np.integer | None
 
 def _check_return_probs(return_probs: object) -> bool:
     if not isinstance(return_probs, (bool, np.bool_)):
@@ -65,6 +69,33 @@ def _attention_jit(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv
     return out, aux
 
 
+def _short_errors_first(typed):
+    """Makes a shape or dtype mistake one short sentence at the public boundary.
+
+    jaxtyping checks the annotations of `typed`; when it rejects a call, attnaux's explicit
+    checks (those `explain` runs, at no cost on calls that pass) usually say the same in one
+    sentence naming the argument, the expected shape with its bound sizes and what came: that
+    error is raised, with jaxtyping's full report as its cause. Where they find nothing,
+    jaxtyping's error is raised as it is. `__wrapped__` is the undecorated function (what runs
+    with `JAXTYPING_DISABLE=1`)."""
+
+    @functools.wraps(typed)
+    def wrapper(q, k, v, **options):
+        try:
+            return typed(q, k, v, **options)
+        except TypeCheckError as error:
+            try:
+                explain(q, k, v, **options)
+            except (ValueError, TypeError) as short:
+                if "`" in str(short):  # one of attnaux's own messages, naming the argument
+                    raise short.with_traceback(None) from error
+            raise
+
+    wrapper.__wrapped__ = getattr(typed, "__wrapped__", typed)
+    return wrapper
+
+
+@_short_errors_first
 @jaxtyped(typechecker=_typechecker)
 def attention(
     q: Float[_Arr, "*batch q_seq q_heads qk_dim"],
@@ -75,7 +106,7 @@ def attention(
     bias: _Bias | None = None,
     mask: _Mask | None = None,
     causal: bool | str | None = False,
-    window: tuple[int | None, int | None] | list | None = None,
+    window: tuple[_WindowSide, _WindowSide] | list | None = None,
     q_seqlens: Int[_Arr, "*batch"] | None = None,
     kv_seqlens: Int[_Arr, "*batch"] | None = None,
     q_segment_ids: Int[_Arr, "*batch q_seq"] | None = None,

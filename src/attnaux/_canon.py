@@ -43,17 +43,36 @@ class Statics(NamedTuple):
     dropout_rate: float
 
 
+def _check_float32(name: str, value: float | None, *, positive: bool) -> None:
+    """Raises unless `value` keeps its meaning in float32, the type every kernel computes in: it
+    must stay finite there (1e39 is inf) and, when nonzero, not round to 0 (1e-46 does; a
+    softcap must be positive in float32)."""
+    if value is None:
+        return
+    with np.errstate(over="ignore"):
+        value32 = float(np.float32(value))
+    if not math.isfinite(value32) or (value != 0 and value32 == 0) or (positive and value32 <= 0):
+        kind = "finite and positive" if positive else "finite and not rounded to 0"
+        raise ValueError(
+            f"`{name}` must be {kind} in float32, the precision the kernels compute in; got "
+            f"{value!r}, which is {value32!r} in float32."
+        )
+
+
 def parse_statics(*, scale: Any, causal: Any, window: Any, softcap: Any,
                   dropout_rate: Any) -> Statics:
     """Validates the static options of an attention call and parses them once."""
     softcap_value = static_float("softcap", softcap, allow_none=True)
     if softcap_value is not None and softcap_value <= 0:
         raise ValueError(f"`softcap` must be a positive float or None; got {softcap_value}.")
+    _check_float32("softcap", softcap_value, positive=True)
     rate = static_float("dropout_rate", dropout_rate, allow_none=False)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"`dropout_rate` must be in [0, 1); got {rate}.")
+    scale_value = static_float("scale", scale, allow_none=True)
+    _check_float32("scale", scale_value, positive=False)
     return Statics(
-        scale=static_float("scale", scale, allow_none=True),
+        scale=scale_value,
         causal=parse_causal(causal),
         window=parse_window(window),
         softcap=softcap_value,
@@ -192,10 +211,11 @@ def _broadcast_dims(
 ) -> jax.Array:
     """Brings a bias or mask to canonical `[Bb, Hb, Sqb, Skvb]` with each dim 1 or full."""
     full = (*batch, q_heads, q_seq, kv_seq)
-    layout = "[*batch, q_heads, q_seq, kv_seq] = " + str(full)
-    if x.ndim < 2 or x.ndim > len(full):
+    layout = (f"[*batch, q_heads, q_seq, kv_seq] = {full} (batch={batch}, q_heads={q_heads}, "
+              f"q_seq={q_seq}, kv_seq={kv_seq})")
+    if x.ndim > len(full):
         raise ValueError(
-            f"`{name}` must broadcast to {layout}, so it needs between 2 and {len(full)} "
+            f"`{name}` must broadcast to {layout}, so it can have at most {len(full)} "
             f"dimensions; got shape {_fmt_shape(x)}."
         )
     padded = (1,) * (len(full) - x.ndim) + tuple(x.shape)
@@ -213,6 +233,19 @@ def _broadcast_dims(
     if batch_part != batch:
         x = jnp.broadcast_to(x, (*batch, *rest))
     return x.reshape((math.prod(batch), *rest))
+
+
+def _segment_ids_int32(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Segment ids as the kernels' int32, keeping which pairs are equal.
+
+    32-bit ids cast one to one. Wider ids (with `jax_enable_x64`) would collide when truncated
+    (0 and 2**32 would compare equal), so each row's ids are replaced by their rank among that
+    row's q and kv ids: equal ids get equal ranks, different ids different ones."""
+    if jnp.dtype(q_ids.dtype).itemsize <= 4 and jnp.dtype(kv_ids.dtype).itemsize <= 4:
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    both = jnp.concatenate([q_ids, kv_ids.astype(q_ids.dtype)], axis=1)
+    ranks = jax.vmap(jnp.searchsorted)(jnp.sort(both, axis=1), both).astype(jnp.int32)
+    return ranks[:, : q_ids.shape[1]], ranks[:, q_ids.shape[1] :]
 
 
 def check_key(key: Any) -> None:
@@ -333,7 +366,9 @@ def canonicalize(
                 f"`{name}` must have shape [*batch] = {batch} (one length per sequence); got "
                 f"shape {_fmt_shape(x)}."
             )
-        return x.reshape((bsz,)).astype(jnp.int32)
+        # Clamped before the cast, so that a 64-bit length such as 2**32 + 1 is not truncated
+        # (lengths beyond the sequence mean the whole sequence, as the kernels clamp).
+        return jnp.clip(x.reshape((bsz,)), 0, full).astype(jnp.int32)
 
     q_len = seqlens("q_seqlens", q_seqlens, q_seq)
     kv_len = seqlens("kv_seqlens", kv_seqlens, kv_seq)
@@ -361,8 +396,8 @@ def canonicalize(
                     f"`{name}` must have shape [*batch, {name[:-12]}_seq] = {(*batch, seq)}; got "
                     f"shape {_fmt_shape(x)}."
                 )
-            segs.append(x.reshape((bsz, seq)).astype(jnp.int32))
-        q_seg, kv_seg = segs
+            segs.append(x.reshape((bsz, seq)))
+        q_seg, kv_seg = _segment_ids_int32(*segs)
 
     sink_c = None
     if sink is not None:

@@ -57,12 +57,22 @@ else:
 
 # The GPU handlers (cuDNN fused attention) live in a separate module, built only where CUDA and
 # the cuDNN headers were found, so that importing attnaux never needs CUDA libraries.
-try:
-    from . import _ext_cuda
-except ImportError as error:
+CUDA_IMPORT_ERROR: str | None = None
+if importlib.util.find_spec(f"{__package__}._ext_cuda") is None:
     _ext_cuda = None
-    CUDA_IMPORT_ERROR: str | None = f"{type(error).__name__}: {error}"
+    CUDA_IMPORT_ERROR = (
+        "this is a CPU-only build: attnaux._ext_cuda was not built because, at build time, CMake "
+        "found no CUDA toolkit, cuDNN headers or cuDNN frontend headers (the build log's "
+        "'attnaux: CPU-only build' line names which; "
+        "`pip install . -Ccmake.define.ATTNAUX_CUDA=ON` fails with the missing pieces listed)"
+    )
 else:
+    try:
+        from . import _ext_cuda
+    except ImportError as error:  # built, but cannot load (another CUDA, say)
+        _ext_cuda = None
+        CUDA_IMPORT_ERROR = f"attnaux._ext_cuda failed to load: {type(error).__name__}: {error}"
+if _ext_cuda is not None:
     CUDA_IMPORT_ERROR = None
     try:
         _ext_cuda.set_library_hints(*_cuda_library_hints())

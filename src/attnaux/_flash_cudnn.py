@@ -140,8 +140,8 @@ def unavailable(problem: Problem, platform: str) -> str | None:
     a, o = problem.arrays, problem.options
     if not _ffi.has_target(FWD_TARGET, platform):
         return (
-            "this build of attnaux has no CUDA handlers (attnaux._ext_cuda was not built: "
-            f"{_ffi.CUDA_IMPORT_ERROR or _NOT_BUILT})"
+            "this build of attnaux has no CUDA handlers "
+            f"({_ffi.CUDA_IMPORT_ERROR or _NOT_BUILT})"
         )
     dtype = jnp.dtype(a.q.dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

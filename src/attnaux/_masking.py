@@ -67,6 +67,9 @@ def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array
     group = q_heads // kv_heads
     mask, kv_seg = arrays.mask, arrays.kv_segment_ids
     heads = 1 if mask is None else mask.shape[1]
+    if 0 in (bsz, q_seq, kv_seq):  # no pair at all: no row is used (and no block to scan)
+        kv_cols = kv_heads if heads == q_heads else 1
+        return jnp.zeros((bsz, q_seq, heads), bool), jnp.zeros((bsz, kv_seq, kv_cols), bool)
     block = max(1, min(_USAGE_BLOCK, kv_seq))
     n_blocks = -(-kv_seq // block)
     pad = n_blocks * block - kv_seq

@@ -42,8 +42,15 @@ def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Arra
 
 
 def keep_threshold(rate: float) -> np.uint32:
-    """Words at or above this threshold keep their element."""
-    return np.uint32(min(int(np.floor(rate * 2.0**32)), 2**32 - 1))
+    """Words at or above this threshold keep their element.
+
+    The one definition every implementation uses (`docs/kernel_abi.md`): the rate is first
+    rounded to float32, the type of the kernels' `dropout_rate` attribute, then
+    `threshold = uint32(min(floor(float32(rate) * 2**32), 2**32 - 1))`, computed exactly in
+    float64. Rounding first keeps the pure-JAX mask bit-identical to the kernels' for rates such
+    as 0.7 whose float64 and float32 values straddle a multiple of 2**-32."""
+    rate32 = float(np.float32(rate))
+    return np.uint32(min(int(np.floor(rate32 * 2.0**32)), 2**32 - 1))
 
 
 def dropout_keep_mask(

@@ -1,0 +1,140 @@
+"""Defects found by a property-based run against a float64 oracle and by a first-time user
+(issue 19), each pinned by a test that failed before its fix: empty inputs with masks, dropout
+replay at rates whose float32 and float64 thresholds differ, 64-bit lengths and segment ids,
+static floats that change meaning in float32, lower-rank masks, and the CPU-only build's
+message about the CUDA module."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnaux
+from attnaux import _ffi
+from attnaux import introspect as ai
+
+HAS_KERNELS = _ffi.has_target("attnaux_flash_fwd", "cpu")
+COMPILED = ["flash", "probs"] if HAS_KERNELS else []
+BACKENDS = [*COMPILED, "reference", "auto"]
+
+
+# --- 1. empty key sequence or empty batch, with a mask or segment ids ---------------------------
+def _empty_cases():
+    q = jnp.ones((4, 2, 8))
+    kv = jnp.ones((0, 1, 8))
+    yield "mask_no_keys", (q, kv, kv), dict(mask=jnp.ones((4, 0), bool))
+    yield "segments_no_keys", (q, kv, kv), dict(
+        q_segment_ids=jnp.zeros(4, jnp.int32), kv_segment_ids=jnp.zeros(0, jnp.int32))
+    qb, kb = jnp.ones((0, 4, 2, 8)), jnp.ones((0, 6, 1, 8))
+    yield "mask_no_batch", (qb, kb, kb), dict(mask=jnp.ones((4, 6), bool))
+    yield "segments_no_batch", (qb, kb, kb), dict(
+        q_segment_ids=jnp.zeros((0, 4), jnp.int32), kv_segment_ids=jnp.zeros((0, 6), jnp.int32))
+
+
+EMPTY = list(_empty_cases())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,args,opts", EMPTY, ids=[c[0] for c in EMPTY])
+def test_empty_inputs_with_masks(backend, name, args, opts):
+    """Every row sees no key: output 0, lse = max = -inf, zero gradients (the reference's
+    documented answer), on every backend."""
+    q, k, v = args
+    out, aux = attnaux.attention(q, k, v, backend=backend, **opts)
+    assert out.shape == (*q.shape[:-1], v.shape[-1])
+    np.testing.assert_array_equal(np.asarray(out), 0)
+    assert np.all(np.asarray(aux.lse) == -np.inf) and np.all(np.asarray(aux.max) == -np.inf)
+    grads = jax.grad(
+        lambda q, k, v: attnaux.attention(q, k, v, backend=backend, **opts)[0].sum(),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape
+        np.testing.assert_array_equal(np.asarray(g), 0)
+
+
+# --- 2. dropout replay is bit-exact --------------------------------------------------------------
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("rate,seed", [(0.7, 29995), (0.1, 3), (0.3, 11), (0.9, 5)])
+def test_dropout_mask_replays_the_kernels_bit_exactly(backend, rate, seed):
+    """With q = k = 0 and v = I, `out[i, j]` is nonzero exactly where the kernel kept P[i, j]:
+    it must be `introspect.dropout_mask` bit for bit (one threshold, from float32(rate))."""
+    n = 64
+    q = k = jnp.zeros((n, 1, 8))
+    v = jnp.eye(n)[:, None, :]
+    out, aux = attnaux.attention(q, k, v, dropout_rate=rate, key=jax.random.key(seed),
+                                 backend=backend)
+    kept = np.asarray(out[:, 0, :]) > 0
+    replay = np.asarray(ai.dropout_mask(aux, q, k, dropout_rate=rate)[0])
+    np.testing.assert_array_equal(kept, replay)
+    ref, _ = attnaux.attention(q, k, v, dropout_rate=rate, key=jax.random.key(seed),
+                               backend="reference")
+    np.testing.assert_array_equal(np.asarray(ref[:, 0, :]) > 0, replay)
+
+
+def test_the_reported_dropout_case():
+    q = k = jnp.zeros((64, 1, 8))
+    v = jnp.eye(64)[:, None, :]
+    backend = "flash" if HAS_KERNELS else "reference"
+    out, aux = attnaux.attention(q, k, v, dropout_rate=0.7, key=jax.random.key(29995),
+                                 backend=backend)
+    assert float(out[56, 0, 52]) > 0
+    assert bool(ai.dropout_mask(aux, q, k, dropout_rate=0.7)[0, 56, 52])
+
+
+# --- 4. 64-bit lengths and segment ids -----------------------------------------------------------
+@pytest.mark.parametrize("backend", [*COMPILED, "reference"])
+def test_int64_lengths_and_segment_ids_are_not_truncated(backend):
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32)
+        full, _ = attnaux.attention(q, k, k, backend=backend)
+        long, _ = attnaux.attention(q, k, k, kv_seqlens=jnp.array([2**32 + 1], jnp.int64),
+                                    backend=backend)
+        np.testing.assert_allclose(np.asarray(long), np.asarray(full), rtol=1e-6, atol=1e-6)
+        wide = jnp.array([[0, 2**32, 0, 2**32]], jnp.int64)
+        narrow = jnp.array([[0, 1, 0, 1]], jnp.int32)
+        got, aux = attnaux.attention(q, k, k, q_segment_ids=wide, kv_segment_ids=wide,
+                                     backend=backend)
+        want, aux_want = attnaux.attention(q, k, k, q_segment_ids=narrow,
+                                           kv_segment_ids=narrow, backend=backend)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(aux.lse), np.asarray(aux_want.lse), rtol=1e-6)
+        assert float(jnp.abs(got - full).max()) > 0.1  # the segments really separate rows
+
+
+# --- 5. static floats that change meaning in float32 ---------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale=1e39), r"`scale` must be finite and not rounded to 0 in float32.*inf"),
+    (dict(scale=1e-46), r"`scale` must be finite and not rounded to 0 in float32.*0\.0"),
+    (dict(softcap=1e-46), r"`softcap` must be finite and positive in float32.*0\.0"),
+    (dict(softcap=1e39), r"`softcap` must be finite and positive in float32.*inf"),
+])
+def test_static_floats_are_checked_in_float32(kwargs, match):
+    q = jnp.ones((2, 4, 2, 8))
+    with pytest.raises(ValueError, match=match):
+        attnaux.attention(q, q, q, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        attnaux.explain(q, q, q, **kwargs)
+
+
+# --- 15. masks and biases of lower rank broadcast by NumPy's rules -------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank1_mask_and_bias_broadcast_like_jax_nn(backend):
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 7, 2, 8)), jnp.float32) for _ in range(3))
+    mask = jnp.arange(7) <= 3
+    bias = jnp.asarray(rng.standard_normal(7), jnp.float32)
+    out, _ = attnaux.attention(q, k, v, mask=mask, bias=bias, backend=backend)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, bias=bias)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+# --- 12. a CPU-only build says why the CUDA module is missing ------------------------------------
+@pytest.mark.skipif(_ffi.ext_cuda() is not None, reason="this build has the CUDA module")
+def test_cpu_only_build_says_the_cuda_module_was_not_built():
+    message = _ffi.CUDA_IMPORT_ERROR
+    assert "circular" not in message
+    assert "not built" in message and "CPU-only build" in message
+    assert "cuDNN" in message
