@@ -138,3 +138,25 @@ def test_cpu_only_build_says_the_cuda_module_was_not_built():
     assert "circular" not in message
     assert "not built" in message and "CPU-only build" in message
     assert "cuDNN" in message
+
+
+# --- 16. P's rounding does not grow with |lse| ---------------------------------------------------
+PROBS_BACKENDS = ["reference"]
+
+
+@pytest.mark.parametrize("backend", PROBS_BACKENDS)
+def test_probs_error_does_not_grow_with_lse(backend):
+    """P is normalised by the row sum, so a constant bias of 20 (lse ~ 100) leaves its error
+    against float64 at float32 rounding (jax.nn's 1e-6 level), not |lse| * 2**-24 (~6e-6)."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 16, 1, 8)) * 6, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 64, 1, 8)) * 6, jnp.float32)
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    s = np.einsum("bqhd,bkhd->bhqk", q64, k64) / np.sqrt(8)
+    want = np.exp(s - s.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    for shift in (0.0, 20.0):
+        _, aux = attnaux.attention(q, k, k, bias=jnp.full((64,), shift), return_probs=True,
+                                   backend=backend)
+        assert float(aux.lse.mean()) > 5 * shift  # |lse| is large in the shifted case
+        np.testing.assert_allclose(np.asarray(aux.probs), want, rtol=0, atol=2e-6)

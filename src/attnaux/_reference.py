@@ -65,12 +65,14 @@ def reference_attention(
     exp = jnp.exp(jnp.where(visible, logits - shift[..., None], -jnp.inf))
     total = jnp.sum(exp, axis=-1)
     if arrays.sink is not None:
-        lse = shift + jnp.log(total + jnp.exp(sink - shift))
+        total = total + jnp.exp(sink - shift)
+        lse = shift + jnp.log(total)
     else:
         safe_total = jnp.where(any_visible, total, 1)
         lse = jnp.where(any_visible, shift + jnp.log(safe_total), -jnp.inf)
-    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0)
-    probs = jnp.exp(jnp.where(visible, logits - safe_lse[..., None], -jnp.inf))
+    # P divides by the row sum rather than taking exp(s - lse): its rounding then does not grow
+    # with |lse| (exp(s - lse) inherits lse's absolute error, about |lse| * 2**-24).
+    probs = exp / jnp.where(total > 0, total, 1)[..., None]
 
     weights = probs
     if options.dropout_rate > 0:
