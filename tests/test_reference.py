@@ -469,17 +469,17 @@ USAGE_CASES = [
 @pytest.mark.parametrize("block", [3, 512], ids=["blocks-of-3", "one-block"])
 @pytest.mark.parametrize("shape,opts", USAGE_CASES)
 def test_row_usage_matches_oracle(shape, opts, block, monkeypatch):
-    """`_kernel_call.row_usage`: which q rows and which k/v rows take part in at least one visible
+    """`_masking.row_usage`: which q rows and which k/v rows take part in at least one visible
     pair
     (the rows `zero_hidden_rows` keeps), computed a block of keys at a time (several blocks, the
     last one partial, and a single block), against the oracle's per-row visibility."""
-    from attnaux import _kernel_call
+    from attnaux import _masking
     from attnaux._internal import canonical_problem
 
-    monkeypatch.setattr(_kernel_call, "_USAGE_BLOCK", block)
+    monkeypatch.setattr(_masking, "_USAGE_BLOCK", block)
     q, k, v, options = build(shape, opts)
     problem = canonical_problem(q, k, v, **options)
-    q_rows, kv_rows = _kernel_call.row_usage(problem.arrays, problem.options)
+    q_rows, kv_rows = _masking.row_usage(problem.arrays, problem.options)
     _, visible = oracle.scores(q, k, **{n: x for n, x in options.items() if n != "sink"})
     sq, skv, hq, group = q.shape[-3], k.shape[-3], q.shape[-2], q.shape[-2] // k.shape[-2]
     vis = visible.reshape(-1, hq, sq, skv)
