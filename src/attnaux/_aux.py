@@ -16,8 +16,9 @@ class AttnAux(eqx.Module):
       no visible key has `lse = -inf`, or `lse = sink` when a sink is given.
     - `max`: `float32[*batch, q_heads, q_seq]`, the row maximum of the same logits over the visible
       keys (the sink excluded); `-inf` for a row with no visible key. Carries no gradient.
-    - `probs`: `[*batch, q_heads, q_seq, kv_seq]` softmax probabilities before dropout, or `None`
-      when the backend that ran does not save them.
+    - `probs`: `[*batch, q_heads, q_seq, kv_seq]` softmax probabilities before dropout, filled
+      exactly when the call asked for them with `return_probs=True` (whichever backend ran), and
+      `None` otherwise. Float32 for float32 inputs, else the input dtype.
     - `rng_state`: `uint32[4]` (seed as 2 words, offset as 2 words) that determines the dropout
       keep-mask exactly, or `None` without dropout.
     - `backend`: which backend ran (`"flash"`, `"probs"`, `"small_seq"` or `"reference"`); static.
