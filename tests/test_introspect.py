@@ -625,6 +625,92 @@ def test_plot_writes_png(tmp_path):
         ai.plot(a0, tmp_path / "x.png", metrics=("nope",))
 
 
+def test_plot_refuses_an_extension_it_does_not_write_before_any_work(monkeypatch, tmp_path):
+    # No matplotlib and not even a report: the path is checked first, with a clear message.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in ("heads.jpg", "heads", "heads.png.txt"):
+        with pytest.raises(ValueError, match=re.escape(name)) as error:
+            ai.plot("not a report", tmp_path / name)
+        assert all(ext in str(error.value) for ext in (".png", ".svg", ".pdf"))
+        assert not (tmp_path / name).exists()
+
+
+def test_plot_writes_the_format_its_extension_names(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot() cannot draw without matplotlib")
+    aux = ax.AttnAux(lse=jnp.zeros((1, 2, 3)), max=jnp.zeros((1, 2, 3)))
+    for name, magic in (("h.PNG", b"\x89PNG"), ("h.svg", b"<?xml"), ("h.pdf", b"%PDF")):
+        ai.plot(aux, tmp_path / name)
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+
+
+def test_plot_has_a_title_the_clip_threshold_and_defines_what_it_shows(monkeypatch, tmp_path):
+    """The figure reads on its own: a title; the QK-clip threshold marked on the max logit panel
+    (heads above it outlined); "saturated" defined; no colour bar on a panel whose value is the
+    same everywhere (no non-finite rows); "n/a" where a layer has no probabilities."""
+    pytest.importorskip("matplotlib", reason="plot() cannot draw without matplotlib")
+    import matplotlib.figure
+    import matplotlib.patches
+    import matplotlib.text
+
+    figures = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    q, k, v = _data(19)
+    _, a0 = ax.attention(q, k, v, return_probs=True, causal=True)
+    _, a1 = ax.attention(q[..., :2, :], k[..., :1, :], v[..., :1, :])  # no probs, fewer heads
+    reports = {"l0": ai.health(a0), "l1": ai.health(a1)}
+    logits = np.concatenate([np.asarray(r.max_logit) for r in reports.values()])
+    threshold = float(np.median(logits))
+    above = int(np.sum(logits > threshold))
+    assert 0 < above < logits.size
+    saturated = np.concatenate([np.asarray(r.saturated) / np.asarray(r.rows)
+                                for r in reports.values()])
+    assert np.ptp(saturated) > 0 and all(int(np.sum(r.nonfinite)) == 0 for r in reports.values())
+    path = tmp_path / "heads.png"
+    ai.plot({"l0": a0, "l1": a1}, path, clip_threshold=threshold)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    (fig,) = figures
+    texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    assert "Attention health per head" in texts
+    panels = {a.get_title().splitlines()[0]: a for a in fig.axes
+              if a.get_label() != "<colorbar>" and a.get_title()}
+    assert len(panels) == 5, list(panels)
+    colorbars = [a for a in fig.axes if a.get_label() == "<colorbar>"]
+    assert len(colorbars) == 4  # none on the non-finite panel, which is 0 everywhere
+    (nonfinite,) = [t for t in panels if t.startswith("non-finite rows")]
+    assert nonfinite.endswith("0 in every head")
+
+    max_panel = panels["max logit"]
+    assert f"QK-clip threshold {threshold:g}" in max_panel.get_title()
+    assert f"{above} of {logits.size} heads above" in max_panel.get_title()
+    outlines = [p for p in max_panel.patches if isinstance(p, matplotlib.patches.Rectangle)
+                and p.get_edgecolor()[:3] == (1.0, 0.0, 0.0)]
+    assert len(outlines) == above
+    assert "lse - max < 0.01" in panels["saturated rows (fraction)"].get_title()
+
+    entropy = panels["mean entropy (nats)"]
+    cells = [t.get_text() for t in entropy.texts]
+    assert cells.count("n/a") == 2 and "nan" not in cells  # layer l1: 2 heads, no probs
+    assert "return_probs" in entropy.get_title()
+
+    figures.clear()
+    ai.plot(reports, path, title="after 10 steps")
+    assert "after 10 steps" in [t.get_text() for t in figures[0].findobj(matplotlib.text.Text)]
+    with pytest.raises(ValueError, match="clip_threshold"):
+        ai.plot(reports, path, clip_threshold=float("nan"))
+
+
+def test_aux_docstring_says_probs_is_filled_exactly_with_return_probs():
+    doc = " ".join(ax.AttnAux.__doc__.split())
+    probs = doc.split("- `probs`:")[1].split("- `rng_state`")[0]
+    assert "return_probs=True" in probs and "backend that ran does not save" not in probs
+
+
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     for name in list(sys.modules):
         if name == "matplotlib" or name.startswith("matplotlib."):
