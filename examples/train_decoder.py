@@ -6,9 +6,12 @@ A self-contained training loop on attnaux's public API (copy it into your projec
 copy task that only attention can solve, random tokens followed by the same tokens again, scored
 on the repeated half. Training uses a z-loss on every layer's `aux.lse` (it differentiates
 through the fused kernel) and QK-clip (MuonClip) from `aux.max` via
-`attnaux.introspect.qk_clip`; every 50 steps it logs, per layer, the max logit of each head and
-the mean attention entropy (`attnaux.introspect.health`). At the end it saves every layer's aux
-for `python -m attnaux.introspect report`. `python -m attnaux` runs the same loop for fewer steps.
+`attnaux.introspect.qk_clip`. Every 50 steps it logs the training batch's loss, the max logit of
+each head on that batch before QK-clip and how many heads the clip scaled down; then, on a
+held-out evaluation batch after the step, the copy accuracy and per layer the max logit and mean
+attention entropy of each head (`attnaux.introspect.health`). At the end it saves every layer's
+aux for `python -m attnaux.introspect report`. `python -m attnaux` runs the same loop for fewer
+steps.
 """
 
 import argparse
@@ -103,10 +106,12 @@ def train(config: DemoConfig, *, progress: bool = True, log=print):
         (_, (nll, auxes)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
         updates, opt_state = _adam_update(grads, opt_state, config.learning_rate)
         params = jax.tree.map(lambda p, u: p + u, params, updates)
+        # The max logit of each head on this training batch, before the clip that it decides.
+        max_logits = jnp.stack([ai.max_logit(aux) for aux in auxes])
         model, factors = qk_clip_model(eqx.combine(params, static), auxes,
                                        config.clip_threshold)
         params = eqx.filter(model, eqx.is_inexact_array)
-        return params, opt_state, nll, factors
+        return params, opt_state, nll, max_logits, factors
 
     @jax.jit
     def evaluate(params, tokens):
@@ -120,22 +125,28 @@ def train(config: DemoConfig, *, progress: bool = True, log=print):
     start = time.perf_counter()
     for i in range(1, config.steps + 1):
         tokens = make_batch(jax.random.fold_in(data_key, i), config)
-        params, opt_state, nll, factors = step(params, opt_state, tokens)
+        params, opt_state, nll, max_logits, factors = step(params, opt_state, tokens)
         if progress:
             _progress_bar(i, config.steps, float(nll), start)
         if i % config.log_every == 0 or i == config.steps:
+            # "train/": this step's training batch, before the update and the clip;
+            # "eval/": a held-out batch, on the model after the step (clip included).
+            entry = {"step": i, "train/loss": float(nll),
+                     "train/clipped_heads": int(jnp.sum(factors < 1)),
+                     "train/heads": int(factors.size)}
+            for layer in range(config.depth):
+                entry[f"train/layer{layer}/max_logit"] = np.asarray(max_logits[layer])
             eval_tokens = make_batch(jax.random.fold_in(data_key, 1_000_000 + i), config)
             accuracy, auxes = evaluate(params, eval_tokens)
-            entry = dict(step=i, loss=float(nll), accuracy=float(accuracy),
-                         clipped_heads=int(jnp.sum(factors < 1)))
+            entry["eval/accuracy"] = float(accuracy)
             for layer, aux in enumerate(auxes):
                 report = ai.health(aux)
-                entry[f"layer{layer}/max_logit"] = np.asarray(report.max_logit)
-                entry[f"layer{layer}/entropy"] = np.asarray(report.mean_entropy)
+                entry[f"eval/layer{layer}/max_logit"] = np.asarray(report.max_logit)
+                entry[f"eval/layer{layer}/entropy"] = np.asarray(report.mean_entropy)
             history.append(entry)
             if progress and sys.stderr.isatty():
                 sys.stderr.write("\n")
-            log(_format_log(entry, config.depth))
+            log(_format_log(entry, config.depth, config.clip_threshold))
     return eqx.combine(params, static), history
 
 
@@ -153,13 +164,25 @@ def _progress_bar(i: int, total: int, loss: float, start: float) -> None:
     sys.stderr.flush()
 
 
-def _format_log(entry: dict, depth: int) -> str:
-    parts = [f"step {entry['step']:4d}  loss {entry['loss']:.3f}  copy accuracy "
-             f"{entry['accuracy']:.2f}  heads clipped {entry['clipped_heads']}"]
+def _format_log(entry: dict, depth: int, clip_threshold: float) -> str:
+    """One log entry: the training batch's figures (the ones QK-clip acted on), then the
+    evaluation batch's, each labelled with the batch it was measured on."""
+
+    def row(values, width):
+        return " ".join(f"{x:{width}.2f}" for x in values)
+
+    parts = [f"step {entry['step']:4d}  training batch: loss {entry['train/loss']:.3f}, "
+             f"heads clipped {entry['train/clipped_heads']} of {entry['train/heads']} "
+             f"(max logit above {clip_threshold:g} before the clip)"]
     for layer in range(depth):
-        logits = " ".join(f"{x:5.2f}" for x in entry[f"layer{layer}/max_logit"])
-        entropy = " ".join(f"{x:4.2f}" for x in entry[f"layer{layer}/entropy"])
-        parts.append(f"    layer {layer}: max logit per head [{logits}]  entropy [{entropy}]")
+        parts.append(f"    layer {layer}: max logit per head "
+                     f"[{row(entry[f'train/layer{layer}/max_logit'], 5)}]")
+    parts.append(f"  evaluation batch, after the step: copy accuracy "
+                 f"{entry['eval/accuracy']:.2f}")
+    for layer in range(depth):
+        parts.append(f"    layer {layer}: max logit per head "
+                     f"[{row(entry[f'eval/layer{layer}/max_logit'], 5)}]  entropy "
+                     f"[{row(entry[f'eval/layer{layer}/entropy'], 4)}]")
     return "\n".join(parts)
 
 
