@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     png = args.png if args.png is not None else args.file.with_suffix(".png")
     try:
         _plot.plot(reports, png)
-    except ImportError as error:
+    except (ImportError, ValueError) as error:  # no matplotlib; an extension plot won't write
         print(f"error: cannot write {png}: {error}", file=sys.stderr)
         return 1
     print(f"wrote {png}")

@@ -34,7 +34,7 @@ class HealthReport(eqx.Module):
     - `mean_max_logit`: the mean over the rows that see a key of the row maxima (NaN if none).
     - `mean_lse`: the mean of `lse` over the same rows (what a z-loss pushes towards 0).
     - `mean_entropy`: the mean over the same rows of `-sum P log P` from `aux.probs`, or `None`
-      when the aux holds no probabilities (the `flash` backend; compute it with
+      when the aux holds no probabilities (the call had no `return_probs=True`; compute it with
       [`entropy`][attnaux.introspect.entropy] and `q`, `k` instead).
     - `saturation`: the threshold used, a static float.
     """
