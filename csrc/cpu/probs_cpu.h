@@ -20,18 +20,18 @@
 //   query blocks, summed in order afterwards, when there are few of them), so every output is
 //   reduced in a fixed order and results do not depend on the number of threads.
 // Inputs are read only where visible, as in the flash kernels.
-#ifndef ATTNAUX_CSRC_PROBS_CPU_H_
-#define ATTNAUX_CSRC_PROBS_CPU_H_
+#ifndef ATTNAUX_CSRC_CPU_PROBS_CPU_H_
+#define ATTNAUX_CSRC_CPU_PROBS_CPU_H_
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "attention_cpu.h"
-#include "cpu_gemm.h"
-#include "cpu_parallel.h"
-#include "cpu_simd.h"
-#include "probs_common.h"
+#include "cpu/attention_cpu.h"
+#include "cpu/cpu_gemm.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/cpu_simd.h"
+#include "cpu/probs_common.h"
 
 namespace attnaux::cpu::pk {
 
@@ -594,4 +594,4 @@ inline void ProbsBackward(const FlashParams& p, const ProbsBackwardInputs& in,
 
 }  // namespace attnaux::cpu::pk
 
-#endif  // ATTNAUX_CSRC_PROBS_CPU_H_
+#endif  // ATTNAUX_CSRC_CPU_PROBS_CPU_H_

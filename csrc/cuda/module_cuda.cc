@@ -8,8 +8,8 @@
 
 #include <string>
 
-#include "ffi_capsule.h"
-#include "flash_cuda.h"
+#include "common/ffi_capsule.h"
+#include "cuda/flash_cuda.h"
 
 namespace py = pybind11;
 

@@ -1,7 +1,7 @@
 // XLA FFI handlers of the `small_seq` primitive on CPU (docs/kernel_abi.md): q_seq == 1 and
 // kv_seq <= 16; validate, then call small_seq_cpu.h.
-#include "probs_ffi.h"
-#include "probs_registry.h"
+#include "cpu/probs_ffi.h"
+#include "cpu/probs_registry.h"
 
 namespace ffi = xla::ffi;
 

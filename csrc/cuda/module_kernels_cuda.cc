@@ -6,8 +6,8 @@
 // loaded runtime in one shared object (the frontend crashed when both were linked together).
 #include <pybind11/pybind11.h>
 
-#include "ffi_capsule.h"
-#include "kernels_cuda.h"
+#include "common/ffi_capsule.h"
+#include "cuda/kernels_cuda.h"
 
 namespace py = pybind11;
 

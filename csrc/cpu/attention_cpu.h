@@ -14,8 +14,8 @@
 // K and V (and in the backward also Q, dO) are converted to float32 once into packed, zero-padded
 // buffers; rows beyond the valid lengths are packed as zeros, so NaN/inf there never enters a
 // product. Scratch is linear in the sequence lengths; the Sq x Skv score matrix never exists.
-#ifndef ATTNAUX_CSRC_ATTENTION_CPU_H_
-#define ATTNAUX_CSRC_ATTENTION_CPU_H_
+#ifndef ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_
+#define ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_
 
 #include <algorithm>
 #include <cmath>
@@ -27,10 +27,10 @@
 #include <mutex>
 #include <vector>
 
-#include "cpu_gemm.h"
-#include "cpu_parallel.h"
-#include "cpu_simd.h"
-#include "philox.h"
+#include "common/philox.h"
+#include "cpu/cpu_gemm.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/cpu_simd.h"
 
 namespace attnaux::cpu {
 
@@ -894,4 +894,4 @@ inline void FlashBackward(const FlashParams& p, const BackwardInputs& in,
 
 }  // namespace attnaux::cpu
 
-#endif  // ATTNAUX_CSRC_ATTENTION_CPU_H_
+#endif  // ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_

@@ -1,6 +1,6 @@
 // Shape helpers shared by the XLA FFI handlers' input checks (CPU and CUDA).
-#ifndef ATTNAUX_CSRC_FFI_SHAPES_H_
-#define ATTNAUX_CSRC_FFI_SHAPES_H_
+#ifndef ATTNAUX_CSRC_COMMON_FFI_SHAPES_H_
+#define ATTNAUX_CSRC_COMMON_FFI_SHAPES_H_
 
 #include <cstdint>
 #include <sstream>
@@ -39,4 +39,4 @@ inline bool Absent(Dims dims) { return dims.size() == 1 && dims[0] == 0; }
 
 }  // namespace attnaux
 
-#endif  // ATTNAUX_CSRC_FFI_SHAPES_H_
+#endif  // ATTNAUX_CSRC_COMMON_FFI_SHAPES_H_

@@ -10,7 +10,7 @@
 //
 // The handlers are NOT declared compatible with command buffers (CUDA graphs): they may build a
 // cuDNN plan on first use and take a host mutex, so XLA runs them as ordinary thunks.
-#include "flash_cuda.h"
+#include "cuda/flash_cuda.h"
 
 #include <cuda_runtime_api.h>
 
@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "cudnn_graphs.h"
-#include "ffi_shapes.h"
+#include "common/ffi_shapes.h"
+#include "cuda/cudnn_graphs.h"
 #include "xla/ffi/api/ffi.h"
 
 // The frontend's dynamic-loading mode reads libcudnn's handle from here (cudnn_graphs.h sets it).

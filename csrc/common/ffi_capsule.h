@@ -1,7 +1,7 @@
 // The one way attnaux hands an XLA FFI handler to Python: a capsule of its XLA_FFI_Handler*, which
 // attnaux._ffi passes to jax.ffi.register_ffi_target.
-#ifndef ATTNAUX_CSRC_FFI_CAPSULE_H_
-#define ATTNAUX_CSRC_FFI_CAPSULE_H_
+#ifndef ATTNAUX_CSRC_COMMON_FFI_CAPSULE_H_
+#define ATTNAUX_CSRC_COMMON_FFI_CAPSULE_H_
 
 #include <pybind11/pybind11.h>
 
@@ -20,4 +20,4 @@ pybind11::capsule HandlerCapsule(Fn* fn) {
 
 }  // namespace attnaux
 
-#endif  // ATTNAUX_CSRC_FFI_CAPSULE_H_
+#endif  // ATTNAUX_CSRC_COMMON_FFI_CAPSULE_H_

@@ -20,17 +20,17 @@
 // Float32 inputs with whole-vector head dims are read in place; other dtypes are converted per
 // batch element into a small float32 copy. Outputs of one batch element are owned by one task and
 // summed in a fixed order: results do not depend on the number of threads.
-#ifndef ATTNAUX_CSRC_SMALL_SEQ_CPU_H_
-#define ATTNAUX_CSRC_SMALL_SEQ_CPU_H_
+#ifndef ATTNAUX_CSRC_CPU_SMALL_SEQ_CPU_H_
+#define ATTNAUX_CSRC_CPU_SMALL_SEQ_CPU_H_
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "attention_cpu.h"
-#include "cpu_parallel.h"
-#include "cpu_simd.h"
-#include "probs_common.h"
+#include "cpu/attention_cpu.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/cpu_simd.h"
+#include "cpu/probs_common.h"
 
 namespace attnaux::cpu::pk {
 
@@ -630,4 +630,4 @@ inline void SmallSeqBackward(const FlashParams& p, const ProbsBackwardInputs& in
 
 }  // namespace attnaux::cpu::pk
 
-#endif  // ATTNAUX_CSRC_SMALL_SEQ_CPU_H_
+#endif  // ATTNAUX_CSRC_CPU_SMALL_SEQ_CPU_H_

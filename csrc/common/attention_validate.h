@@ -1,13 +1,13 @@
 // The validation of the attention inputs shared by every attention primitive on CPU (`flash`,
 // `probs`, `small_seq`): inputs 0..10 and the attributes of docs/kernel_abi.md. Defined in
 // flash_cpu.cc, next to the `flash` handlers that first used it.
-#ifndef ATTNAUX_CSRC_ATTENTION_VALIDATE_H_
-#define ATTNAUX_CSRC_ATTENTION_VALIDATE_H_
+#ifndef ATTNAUX_CSRC_COMMON_ATTENTION_VALIDATE_H_
+#define ATTNAUX_CSRC_COMMON_ATTENTION_VALIDATE_H_
 
 #include <cstdint>
 #include <string>
 
-#include "attention_cpu.h"
+#include "cpu/attention_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace attnaux::cpu {
@@ -26,4 +26,4 @@ xla::ffi::Error ValidateAttentionInputs(
 
 }  // namespace attnaux::cpu
 
-#endif  // ATTNAUX_CSRC_ATTENTION_VALIDATE_H_
+#endif  // ATTNAUX_CSRC_COMMON_ATTENTION_VALIDATE_H_

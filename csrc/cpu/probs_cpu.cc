@@ -1,8 +1,8 @@
 // XLA FFI handlers of the `probs` primitive on CPU (docs/kernel_abi.md): validate, then call
 // probs_cpu.h.
-#include "ffi_capsule.h"
-#include "probs_ffi.h"
-#include "probs_registry.h"
+#include "common/ffi_capsule.h"
+#include "cpu/probs_ffi.h"
+#include "cpu/probs_registry.h"
 
 namespace ffi = xla::ffi;
 

@@ -13,8 +13,8 @@
 //   3. probs = e * (1 / sum) in the output dtype, zeros for [L, K).
 // Backward, per row: Dt = sum_j P dP - dlse, then dlogits = scale * P * (dP - Dt), where P == 0
 // (masked, or underflowed) gives exactly 0 so that inf/NaN cotangents at masked positions vanish.
-#ifndef ATTNAUX_CSRC_SOFTMAX_CPU_H_
-#define ATTNAUX_CSRC_SOFTMAX_CPU_H_
+#ifndef ATTNAUX_CSRC_CPU_SOFTMAX_CPU_H_
+#define ATTNAUX_CSRC_CPU_SOFTMAX_CPU_H_
 
 #include <algorithm>
 #include <cmath>
@@ -27,8 +27,8 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_parallel.h"
-#include "cpu_simd.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/cpu_simd.h"
 
 namespace attnaux::cpu::softmax {
 
@@ -332,4 +332,4 @@ void Backward(ffi::ThreadPool* pool, int64_t rows, int64_t kv_seq, float scale, 
 
 }  // namespace attnaux::cpu::softmax
 
-#endif  // ATTNAUX_CSRC_SOFTMAX_CPU_H_
+#endif  // ATTNAUX_CSRC_CPU_SOFTMAX_CPU_H_

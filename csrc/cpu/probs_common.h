@@ -1,8 +1,8 @@
 // Pieces shared by the probability-saving kernels (`probs`, `small_seq`): per-row visibility, the
 // dropout factors of a row, horizontal vector reductions, vectorised row conversions,
 // non-temporal stores and a 16 x 16 transpose. Semantics: docs/kernel_abi.md.
-#ifndef ATTNAUX_CSRC_PROBS_COMMON_H_
-#define ATTNAUX_CSRC_PROBS_COMMON_H_
+#ifndef ATTNAUX_CSRC_CPU_PROBS_COMMON_H_
+#define ATTNAUX_CSRC_CPU_PROBS_COMMON_H_
 
 #include <algorithm>
 #include <array>
@@ -15,9 +15,9 @@
 #include <immintrin.h>
 #endif
 
-#include "attention_cpu.h"  // FlashParams, Elem, FloatBuffer
-#include "cpu_simd.h"
-#include "philox.h"
+#include "common/philox.h"
+#include "cpu/attention_cpu.h"  // FlashParams, Elem, FloatBuffer
+#include "cpu/cpu_simd.h"
 
 namespace attnaux::cpu::pk {
 
@@ -292,4 +292,4 @@ struct ProbsBackwardInputs {
 
 }  // namespace attnaux::cpu::pk
 
-#endif  // ATTNAUX_CSRC_PROBS_COMMON_H_
+#endif  // ATTNAUX_CSRC_CPU_PROBS_COMMON_H_

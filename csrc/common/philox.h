@@ -1,6 +1,6 @@
 // Philox-4x32-10 (Random123) and the dropout keep-mask of docs/kernel_abi.md.
-#ifndef ATTNAUX_CSRC_PHILOX_H_
-#define ATTNAUX_CSRC_PHILOX_H_
+#ifndef ATTNAUX_CSRC_COMMON_PHILOX_H_
+#define ATTNAUX_CSRC_COMMON_PHILOX_H_
 
 #include <array>
 #include <cmath>
@@ -52,4 +52,4 @@ inline std::array<uint32_t, 4> DropoutWords(const uint32_t* rng_state, uint64_t 
 
 }  // namespace attnaux
 
-#endif  // ATTNAUX_CSRC_PHILOX_H_
+#endif  // ATTNAUX_CSRC_COMMON_PHILOX_H_

@@ -1,20 +1,20 @@
 // The XLA FFI handler bodies shared by the two probability-saving primitives, `probs` and
 // `small_seq` (docs/kernel_abi.md, "The probability-saving primitives"): validate, then run the
 // kernel of the primitive. probs_cpu.cc and small_seq_cpu.cc bind them.
-#ifndef ATTNAUX_CSRC_PROBS_FFI_H_
-#define ATTNAUX_CSRC_PROBS_FFI_H_
+#ifndef ATTNAUX_CSRC_CPU_PROBS_FFI_H_
+#define ATTNAUX_CSRC_CPU_PROBS_FFI_H_
 
 #include <cstdint>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "attention_cpu.h"
-#include "attention_validate.h"
-#include "cpu_memory.h"
-#include "probs_common.h"
-#include "probs_cpu.h"
-#include "small_seq_cpu.h"
+#include "common/attention_validate.h"
+#include "cpu/attention_cpu.h"
+#include "cpu/cpu_memory.h"
+#include "cpu/probs_common.h"
+#include "cpu/probs_cpu.h"
+#include "cpu/small_seq_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace attnaux::cpu::pk {
@@ -250,4 +250,4 @@ ffi::Error ProbsBackwardImpl(
       .Ret<ffi::AnyBuffer>()          /* dv [B, Skv, Hkv, Dv] */                   \
       .Ret<ffi::Buffer<ffi::F32>>()   /* dbias [B, Hq, Sq, Skv] with a bias, else (0,) */
 
-#endif  // ATTNAUX_CSRC_PROBS_FFI_H_
+#endif  // ATTNAUX_CSRC_CPU_PROBS_FFI_H_

@@ -1,6 +1,6 @@
 // Work distribution on XLA's intra-op thread pool without oversubscription or deadlock.
-#ifndef ATTNAUX_CSRC_CPU_PARALLEL_H_
-#define ATTNAUX_CSRC_CPU_PARALLEL_H_
+#ifndef ATTNAUX_CSRC_CPU_CPU_PARALLEL_H_
+#define ATTNAUX_CSRC_CPU_CPU_PARALLEL_H_
 
 #include <algorithm>
 #include <atomic>
@@ -64,4 +64,4 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t num_tasks, const Body& body) {
 
 }  // namespace attnaux::cpu
 
-#endif  // ATTNAUX_CSRC_CPU_PARALLEL_H_
+#endif  // ATTNAUX_CSRC_CPU_CPU_PARALLEL_H_

@@ -21,7 +21,7 @@
 #include <string>
 #include <type_traits>
 
-#include "kernels_cuda.h"
+#include "cuda/kernels_cuda.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

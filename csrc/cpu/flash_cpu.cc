@@ -1,5 +1,5 @@
 // XLA FFI handlers of the `flash` primitive on CPU: validate, then call attention_cpu.h.
-#include "flash_cpu.h"
+#include "cpu/flash_cpu.h"
 
 #include <cmath>
 #include <cstdint>
@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "attention_cpu.h"
-#include "attention_validate.h"
-#include "cpu_memory.h"
-#include "ffi_shapes.h"
+#include "common/attention_validate.h"
+#include "common/ffi_shapes.h"
+#include "cpu/attention_cpu.h"
+#include "cpu/cpu_memory.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,6 +1,6 @@
 // XLA FFI handlers of the `flash` attention primitive on CPU (docs/kernel_abi.md).
-#ifndef ATTNAUX_CSRC_FLASH_CPU_H_
-#define ATTNAUX_CSRC_FLASH_CPU_H_
+#ifndef ATTNAUX_CSRC_CPU_FLASH_CPU_H_
+#define ATTNAUX_CSRC_CPU_FLASH_CPU_H_
 
 #include "xla/ffi/api/c_api.h"
 
@@ -9,4 +9,4 @@ XLA_FFI_Error* AttnauxFlashFwdCpu(XLA_FFI_CallFrame* call_frame);  // attnaux_fl
 XLA_FFI_Error* AttnauxFlashBwdCpu(XLA_FFI_CallFrame* call_frame);  // attnaux_flash_bwd
 }
 
-#endif  // ATTNAUX_CSRC_FLASH_CPU_H_
+#endif  // ATTNAUX_CSRC_CPU_FLASH_CPU_H_

@@ -7,13 +7,13 @@
 // block of C in registers and, for each k, loads NV vectors of B and broadcasts R scalars of A.
 // kRowStep is a compile-time constant so that the R scalars sit at fixed offsets from a single
 // moving pointer.
-#ifndef ATTNAUX_CSRC_CPU_GEMM_H_
-#define ATTNAUX_CSRC_CPU_GEMM_H_
+#ifndef ATTNAUX_CSRC_CPU_CPU_GEMM_H_
+#define ATTNAUX_CSRC_CPU_CPU_GEMM_H_
 
 #include <algorithm>
 #include <cstdint>
 
-#include "cpu_simd.h"
+#include "cpu/cpu_simd.h"
 
 namespace attnaux::cpu {
 
@@ -113,4 +113,4 @@ inline void GemmLanes(int64_t rows, int64_t depth, const float* a, int64_t k_ste
 
 }  // namespace attnaux::cpu
 
-#endif  // ATTNAUX_CSRC_CPU_GEMM_H_
+#endif  // ATTNAUX_CSRC_CPU_CPU_GEMM_H_

@@ -1,6 +1,6 @@
 // The fused softmax's FFI handlers (docs/softmax_abi.md), for csrc/module.cc.
-#ifndef ATTNAUX_CSRC_SOFTMAX_REGISTRY_H_
-#define ATTNAUX_CSRC_SOFTMAX_REGISTRY_H_
+#ifndef ATTNAUX_CSRC_CPU_SOFTMAX_REGISTRY_H_
+#define ATTNAUX_CSRC_CPU_SOFTMAX_REGISTRY_H_
 
 #include <pybind11/pybind11.h>
 
@@ -19,4 +19,4 @@ void AddSoftmaxRegistrations(pybind11::dict& handlers);
 
 }  // namespace attnaux
 
-#endif  // ATTNAUX_CSRC_SOFTMAX_REGISTRY_H_
+#endif  // ATTNAUX_CSRC_CPU_SOFTMAX_REGISTRY_H_

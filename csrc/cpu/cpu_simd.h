@@ -1,8 +1,8 @@
 // Portable SIMD helpers for the CPU kernels: one float vector type (GCC vector extensions, so any
 // -march compiles: AVX-512 gives 16 lanes, AVX/AVX2 8, anything else 4), vectorised exp and tanh,
 // and scalar bf16/f16 <-> float conversion by bit manipulation.
-#ifndef ATTNAUX_CSRC_CPU_SIMD_H_
-#define ATTNAUX_CSRC_CPU_SIMD_H_
+#ifndef ATTNAUX_CSRC_CPU_CPU_SIMD_H_
+#define ATTNAUX_CSRC_CPU_CPU_SIMD_H_
 
 #include <cstdint>
 #include <cstring>
@@ -127,4 +127,4 @@ inline uint16_t FloatToHalf(float f) {
 
 }  // namespace attnaux::cpu
 
-#endif  // ATTNAUX_CSRC_CPU_SIMD_H_
+#endif  // ATTNAUX_CSRC_CPU_CPU_SIMD_H_

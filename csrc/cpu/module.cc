@@ -1,10 +1,10 @@
 // pybind11 module attnaux._ext: hands the FFI handlers to attnaux._ffi for registration.
 #include <pybind11/pybind11.h>
 
-#include "ffi_capsule.h"
-#include "flash_cpu.h"
-#include "probs_registry.h"
-#include "softmax_registry.h"
+#include "common/ffi_capsule.h"
+#include "cpu/flash_cpu.h"
+#include "cpu/probs_registry.h"
+#include "cpu/softmax_registry.h"
 
 namespace py = pybind11;
 

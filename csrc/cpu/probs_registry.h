@@ -1,7 +1,7 @@
 // The FFI handlers of the probability-saving primitives, `probs` and `small_seq`
 // (docs/kernel_abi.md), for csrc/module.cc.
-#ifndef ATTNAUX_CSRC_PROBS_REGISTRY_H_
-#define ATTNAUX_CSRC_PROBS_REGISTRY_H_
+#ifndef ATTNAUX_CSRC_CPU_PROBS_REGISTRY_H_
+#define ATTNAUX_CSRC_CPU_PROBS_REGISTRY_H_
 
 #include <pybind11/pybind11.h>
 
@@ -23,4 +23,4 @@ void AddProbsRegistrations(pybind11::dict& handlers);
 
 }  // namespace attnaux
 
-#endif  // ATTNAUX_CSRC_PROBS_REGISTRY_H_
+#endif  // ATTNAUX_CSRC_CPU_PROBS_REGISTRY_H_

@@ -11,8 +11,8 @@
 // changes nothing. Only buffers of at least kAdviseMinBytes are advised: glibc serves those with
 // their own mappings, so the advice dies with the buffer and never fragments the heap.
 // ATTNAUX_CPU_HUGE_PAGES=0 in the environment turns it off.
-#ifndef ATTNAUX_CSRC_CPU_MEMORY_H_
-#define ATTNAUX_CSRC_CPU_MEMORY_H_
+#ifndef ATTNAUX_CSRC_CPU_CPU_MEMORY_H_
+#define ATTNAUX_CSRC_CPU_CPU_MEMORY_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -52,4 +52,4 @@ inline void AdviseHugePages(void* data, size_t bytes) {
 
 }  // namespace attnaux::cpu
 
-#endif  // ATTNAUX_CSRC_CPU_MEMORY_H_
+#endif  // ATTNAUX_CSRC_CPU_CPU_MEMORY_H_

@@ -3,10 +3,10 @@
 #include <string>
 #include <type_traits>
 
-#include "cpu_memory.h"
-#include "ffi_capsule.h"
-#include "softmax_cpu.h"
-#include "softmax_registry.h"
+#include "common/ffi_capsule.h"
+#include "cpu/cpu_memory.h"
+#include "cpu/softmax_cpu.h"
+#include "cpu/softmax_registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
