@@ -1,29 +1,63 @@
-// The validation of the attention inputs shared by every attention primitive on CPU (`flash`,
-// `probs`, `small_seq`): inputs 0..10 and the attributes of docs/kernel_abi.md. Defined in
-// flash_cpu.cc, next to the `flash` handlers that first used it.
+// The validation of the attention operands shared by every attention primitive's handlers, on
+// CPU (`flash`, `probs`, `small_seq`) and on CUDA (`small_seq` and the `probs` softmax): inputs
+// 0..10 and the attributes of docs/kernel_abi.md, checked, then copied into AttentionParams.
+// (The cuDNN `flash` handlers take other operands and keep their own checks.)
 #ifndef ATTNAUX_CSRC_COMMON_ATTENTION_VALIDATE_H_
 #define ATTNAUX_CSRC_COMMON_ATTENTION_VALIDATE_H_
 
 #include <cstdint>
 #include <string>
 
-#include "cpu/attention_cpu.h"
+#include "common/attention_params.h"
+#include "common/ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace attnaux::cpu {
+namespace attnaux {
 
-// Checks q, k, v, bias, mask, the sequence lengths, segment ids, sink, rng_state and the
-// attributes exactly as the `flash` handlers do and fills *p. Error messages name `target`
-// (e.g. "attnaux_probs") where the flash handlers say "attnaux_flash".
-xla::ffi::Error ValidateAttentionInputs(
-    const std::string& target, xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k,
-    xla::ffi::AnyBuffer v, xla::ffi::Buffer<xla::ffi::F32> bias,
-    xla::ffi::Buffer<xla::ffi::PRED> mask, xla::ffi::Buffer<xla::ffi::S32> q_seqlens,
-    xla::ffi::Buffer<xla::ffi::S32> kv_seqlens, xla::ffi::Buffer<xla::ffi::S32> q_segment_ids,
-    xla::ffi::Buffer<xla::ffi::S32> kv_segment_ids, xla::ffi::Buffer<xla::ffi::F32> sink,
-    xla::ffi::Buffer<xla::ffi::U32> rng_state, float scale, float softcap, int32_t causal,
-    int64_t window_left, int64_t window_right, float dropout_rate, FlashParams* p);
+// One operand as the validation sees it. The CPU handlers bind typed buffers (XLA has checked
+// their dtype when decoding the call), the CUDA handlers untyped ones (checked here).
+struct Operand {
+  xla::ffi::DataType dtype;
+  Dims dims;
+  const void* data;
 
-}  // namespace attnaux::cpu
+  Operand(xla::ffi::AnyBuffer b)  // NOLINT(google-explicit-constructor)
+      : dtype(b.element_type()), dims(b.dimensions()), data(b.untyped_data()) {}
+  template <xla::ffi::DataType kType>
+  Operand(xla::ffi::Buffer<kType> b)  // NOLINT(google-explicit-constructor)
+      : dtype(kType), dims(b.dimensions()), data(b.untyped_data()) {}
+};
+
+// Inputs 0..10 and the attributes of docs/kernel_abi.md, in the ABI's order.
+struct AttentionInputs {
+  Operand q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink,
+      rng_state;
+  float scale;
+  float softcap;
+  int32_t causal;
+  int64_t window_left;
+  int64_t window_right;
+  float dropout_rate;
+};
+
+// The CPU and the CUDA handlers were written with their own checks, and callers (and tests) see
+// their messages: each keeps its rules, word for word and in its order. What they accept differs
+// only at the edges:
+//   kCpu:  messages in Python's shape notation, "(2, 3)"; softcap must also be finite; window
+//          sizes below -1 are refused; kv_heads may be 0 when q_heads is; window sizes are clamped
+//          to Sq + Skv + 1.
+//   kCuda: messages in the notation "[2, 3]", with the dtype of every operand checked (the CUDA
+//          handlers bind them untyped); softcap = inf passes; a window size below -1 means
+//          unbounded; kv_heads must be >= 1; window sizes are clamped to 2^40.
+// Both clamps leave every visible key range unchanged (each only keeps i + off +- w from
+// overflowing).
+enum class ValidationRules { kCpu, kCuda };
+
+// Checks `in` under `rules` and fills *p (every field, the dropout threshold and scale
+// included). Error messages start with `target`, e.g. "attnaux_flash: ".
+xla::ffi::Error ValidateAttentionInputs(const std::string& target, ValidationRules rules,
+                                        const AttentionInputs& in, AttentionParams* p);
+
+}  // namespace attnaux
 
 #endif  // ATTNAUX_CSRC_COMMON_ATTENTION_VALIDATE_H_

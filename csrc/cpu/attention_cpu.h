@@ -27,6 +27,7 @@
 #include <mutex>
 #include <vector>
 
+#include "common/attention_params.h"
 #include "common/philox.h"
 #include "cpu/cpu_gemm.h"
 #include "cpu/cpu_parallel.h"
@@ -40,8 +41,6 @@ inline constexpr int64_t kQVectors = kBlockQ / kLanes;
 static_assert(kBlockQ % kLanes == 0, "a query block must be whole vectors");
 
 inline constexpr float kInf = std::numeric_limits<float>::infinity();
-
-enum class Elem { kF32, kBF16, kF16 };
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t RoundUpLanes(int64_t n) { return CeilDiv(n, kLanes) * kLanes; }
@@ -158,34 +157,6 @@ inline void StoreRow(Elem elem, void* base, int64_t offset, int64_t n, const flo
   }
 }
 
-// Everything the kernels read, already validated by the handler. Broadcast dims of bias/mask
-// have stride 0. Optional inputs are nullptr when absent.
-struct FlashParams {
-  int64_t batch = 0, q_len = 0, kv_len = 0, q_heads = 0, kv_heads = 0, head_dim = 0, v_dim = 0;
-  Elem elem = Elem::kF32;
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const float* bias = nullptr;
-  int64_t bias_stride[4] = {0, 0, 0, 0};
-  const bool* mask = nullptr;
-  int64_t mask_stride[4] = {0, 0, 0, 0};
-  const int32_t* q_seqlens = nullptr;
-  const int32_t* kv_seqlens = nullptr;
-  const int32_t* q_segment_ids = nullptr;
-  const int32_t* kv_segment_ids = nullptr;
-  const float* sink = nullptr;
-  const uint32_t* rng_state = nullptr;  // non-null iff dropout_rate > 0
-  float scale = 1.0f;
-  float softcap = 0.0f;
-  int32_t causal = 0;
-  int64_t window_left = -1;   // already clamped by the handler so that i + off - wl cannot wrap
-  int64_t window_right = -1;
-  float dropout_rate = 0.0f;
-
-  int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 1; }
-};
-
 struct ForwardOutputs {
   void* out = nullptr;
   float* lse = nullptr;
@@ -213,7 +184,7 @@ struct RowRanges {
   int32_t causal = 0;
   int64_t window_left = -1, window_right = -1;
 
-  RowRanges(const FlashParams& p, int64_t b) {
+  RowRanges(const AttentionParams& p, int64_t b) {
     ql = std::clamp<int64_t>(p.q_seqlens[b], 0, p.q_len);
     kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
     off = p.causal == 2 ? kl - ql : 0;
@@ -236,7 +207,7 @@ struct RowRanges {
 
 // Per (batch, query head) view of the optional inputs.
 struct HeadView {
-  const FlashParams& p;
+  const AttentionParams& p;
   int64_t b, h;
   RowRanges rows;
   const float* bias = nullptr;  // bias at (b|0, h|0, 0, 0)
@@ -248,7 +219,7 @@ struct HeadView {
   uint32_t drop_threshold = 0;
   float drop_scale = 1.0f;
 
-  HeadView(const FlashParams& params, int64_t batch, int64_t head)
+  HeadView(const AttentionParams& params, int64_t batch, int64_t head)
       : p(params), b(batch), h(head), rows(params, batch) {
     if (p.bias != nullptr) bias = p.bias + b * p.bias_stride[0] + h * p.bias_stride[1];
     if (p.mask != nullptr) mask = p.mask + b * p.mask_stride[0] + h * p.mask_stride[1];
@@ -274,7 +245,7 @@ struct HeadView {
 struct KvPackLayout {
   int64_t num_blocks, d, dv;
   bool backward;
-  KvPackLayout(const FlashParams& p, bool bwd)
+  KvPackLayout(const AttentionParams& p, bool bwd)
       : num_blocks(CeilDiv(p.kv_len, kBlockK)), d(p.head_dim), dv(p.v_dim), backward(bwd) {}
   int64_t keys() const { return num_blocks * kBlockK; }
   int64_t kt_size() const { return keys() * d; }
@@ -298,7 +269,7 @@ inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
   return pack;
 }
 
-inline void PackKv(const FlashParams& p, int64_t b, int64_t hkv, const KvPackLayout& layout,
+inline void PackKv(const AttentionParams& p, int64_t b, int64_t hkv, const KvPackLayout& layout,
                    float* base) {
   const int64_t d = p.head_dim, dv = p.v_dim;
   const int64_t kl = RowRanges(p, b).kl;
@@ -354,7 +325,7 @@ inline void TileKeys(const RowRanges& rows, int64_t i0, int64_t valid, int64_t j
 // computed from zero queries (finite) unless the tile needs masking.
 inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
                       const float* kt_block, const float* qt, float* st, float* tanh_out) {
-  const FlashParams& p = hv.p;
+  const AttentionParams& p = hv.p;
   const int64_t nk = j1 - j0;
   const int64_t jb_start = (j0 / kBlockK) * kBlockK;
   GemmLanes<1>(nk, p.head_dim, kt_block + (j0 - jb_start), kBlockK, qt, kBlockQ, kQVectors, st,
@@ -436,7 +407,7 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
 // Dropout factors of the tile: keep / (1 - rate), or 0. Lanes >= valid get 0.
 inline void DropoutTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
                         float* drop) {
-  const FlashParams& p = hv.p;
+  const AttentionParams& p = hv.p;
   const int64_t nk = j1 - j0;
   std::fill(drop, drop + nk * kBlockQ, 0.0f);
   for (int64_t lane = 0; lane < valid; ++lane) {
@@ -444,7 +415,7 @@ inline void DropoutTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j
         static_cast<uint64_t>(((hv.b * p.q_heads + hv.h) * p.q_len + i0 + lane) * p.kv_len);
     uint64_t e = row_base + j0;
     for (int64_t r = 0; r < nk;) {
-      std::array<uint32_t, 4> words = DropoutWords(p.rng_state, e);
+      const PhiloxWords words = DropoutWords(p.rng_state, e);
       for (uint64_t w = e & 3u; w < 4 && r < nk; ++w, ++r, ++e) {
         drop[r * kBlockQ + lane] = words[w] >= hv.drop_threshold ? hv.drop_scale : 0.0f;
       }
@@ -457,7 +428,7 @@ inline void DropoutTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j
 // ---------------------------------------------------------------------------------------------
 
 // One (batch, query head, query block): online softmax over the visible key blocks.
-inline void ForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b, int64_t h, int64_t ib,
+inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, int64_t h, int64_t ib,
                          const ForwardOutputs& outputs, TileScratch& scratch, float* qt,
                          float* ot) {
   const int64_t d = p.head_dim, dv = p.v_dim;
@@ -571,7 +542,7 @@ inline int64_t BatchChunk(int64_t per_batch_floats, int64_t batch) {
                              std::max<int64_t>(batch, 1));
 }
 
-inline void FlashForward(const FlashParams& p, const ForwardOutputs& outputs,
+inline void FlashForward(const AttentionParams& p, const ForwardOutputs& outputs,
                          ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_len == 0) return;
   const KvPackLayout layout(p, /*bwd=*/false);
@@ -606,7 +577,7 @@ inline void FlashForward(const FlashParams& p, const ForwardOutputs& outputs,
 //   lse_eff, dt: [nqb*BQ]   (Dp, Dvp: head dims rounded up to whole vectors)
 struct QPackLayout {
   int64_t num_blocks, d, dv, dp, dvp;
-  explicit QPackLayout(const FlashParams& p)
+  explicit QPackLayout(const AttentionParams& p)
       : num_blocks(CeilDiv(p.q_len, kBlockQ)),
         d(p.head_dim),
         dv(p.v_dim),
@@ -637,7 +608,7 @@ inline QPack QPackAt(const QPackLayout& layout, float* base) {
   return pack;
 }
 
-inline void PackQ(const FlashParams& p, const BackwardInputs& in, int64_t b, int64_t h,
+inline void PackQ(const AttentionParams& p, const BackwardInputs& in, int64_t b, int64_t h,
                   const QPackLayout& layout, float* base) {
   const int64_t d = p.head_dim, dv = p.v_dim;
   const QPack pack = QPackAt(layout, base);
@@ -676,7 +647,7 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
                                                    int64_t ib, int64_t jb, float* dk_block,
                                                    float* dv_block, float* dqt, float* dbias,
                                                    TileScratch& scratch) {
-  const FlashParams& p = hv.p;
+  const AttentionParams& p = hv.p;
   const int64_t d = p.head_dim, dv = p.v_dim;
   const int64_t i0 = ib * kBlockQ;
   const int64_t valid = std::min(hv.rows.ValidRows(i0), p.q_len - i0);
@@ -742,7 +713,7 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
 }
 
 // Writes rows [j0, j1) of dk/dv (kv head hkv) from float32 accumulators, times `scale` for dk.
-inline void StoreKvGrads(const FlashParams& p, const BackwardOutputs& outputs, int64_t b,
+inline void StoreKvGrads(const AttentionParams& p, const BackwardOutputs& outputs, int64_t b,
                          int64_t hkv, int64_t j0, int64_t j1, const float* dk_rows,
                          int64_t ldk, const float* dv_rows, int64_t ldv) {
   std::vector<float> row(p.head_dim);
@@ -755,7 +726,7 @@ inline void StoreKvGrads(const FlashParams& p, const BackwardOutputs& outputs, i
 }
 
 // Writes rows [i0, i1) of dq (query head h) from dQ^T blocks ([D][BQ] each), times scale.
-inline void StoreQGrads(const FlashParams& p, const BackwardOutputs& outputs, int64_t b,
+inline void StoreQGrads(const AttentionParams& p, const BackwardOutputs& outputs, int64_t b,
                         int64_t h, int64_t i0, int64_t i1, const float* dqt_blocks) {
   std::vector<float> row(p.head_dim);
   for (int64_t i = i0; i < i1; ++i) {
@@ -774,7 +745,7 @@ inline void StoreQGrads(const FlashParams& p, const BackwardOutputs& outputs, in
 //  - two passes: dK/dV per (batch, kv head, kv block), then dQ per (batch, head, query block).
 // Both visit the same tiles and accumulate every output in the same order (dK/dV: query head,
 // then query block; dQ: key block), so they give bitwise identical results.
-inline void FlashBackward(const FlashParams& p, const BackwardInputs& in,
+inline void FlashBackward(const AttentionParams& p, const BackwardInputs& in,
                           const BackwardOutputs& outputs, ffi::ThreadPool* pool) {
   if (p.batch == 0) return;
   const int64_t d = p.head_dim, group = p.group();

@@ -5,7 +5,6 @@
 #define ATTNAUX_CSRC_CPU_PROBS_COMMON_H_
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -16,7 +15,7 @@
 #endif
 
 #include "common/philox.h"
-#include "cpu/attention_cpu.h"  // FlashParams, Elem, FloatBuffer
+#include "cpu/attention_cpu.h"  // AttentionParams, Elem, FloatBuffer
 #include "cpu/cpu_simd.h"
 
 namespace attnaux::cpu::pk {
@@ -191,7 +190,7 @@ inline void Transpose16(const float*, int64_t, float*, int64_t, bool) {}
 // Visibility of one (batch, query head): docs/kernel_abi.md's visible(i, j)
 // ---------------------------------------------------------------------------------------------
 struct HeadRows {
-  const FlashParams* p;
+  const AttentionParams* p;
   int64_t b, h;
   int64_t ql, kl, off;
   const float* bias = nullptr;  // at (b|0, h|0, 0, 0)
@@ -203,7 +202,7 @@ struct HeadRows {
   uint32_t drop_threshold = 0;
   float drop_scale = 1.0f;
 
-  HeadRows(const FlashParams& params, int64_t batch, int64_t head) : p(&params), b(batch), h(head) {
+  HeadRows(const AttentionParams& params, int64_t batch, int64_t head) : p(&params), b(batch), h(head) {
     ql = std::clamp<int64_t>(params.q_seqlens[b], 0, params.q_len);
     kl = std::clamp<int64_t>(params.kv_seqlens[b], 0, params.kv_len);
     off = params.causal == 2 ? kl - ql : 0;
@@ -255,7 +254,7 @@ struct HeadRows {
   void DropRow(int64_t i, int64_t j0, int64_t j1, float* drop) const {
     uint64_t e = RowBase(i) + static_cast<uint64_t>(j0);
     for (int64_t j = j0; j < j1;) {
-      std::array<uint32_t, 4> words = DropoutWords(p->rng_state, e);
+      const PhiloxWords words = DropoutWords(p->rng_state, e);
       for (uint64_t w = e & 3u; w < 4 && j < j1; ++w, ++j, ++e) {
         drop[j - j0] = words[w] >= drop_threshold ? drop_scale : 0.0f;
       }

@@ -150,7 +150,7 @@ inline void GatherRows(Elem elem, const void* src, int64_t first, int64_t stride
 struct ProbsKvLayout {
   int64_t keys, d, dv;
   bool forward, kt;
-  ProbsKvLayout(const FlashParams& p, bool fwd)
+  ProbsKvLayout(const AttentionParams& p, bool fwd)
       : keys(CeilDiv(p.kv_len, kBlockK) * kBlockK),
         d(p.head_dim),
         dv(p.v_dim),
@@ -171,7 +171,7 @@ struct ProbsKvLayout {
   }
 };
 
-inline void PackProbsKv(const FlashParams& p, int64_t b, int64_t hkv, const ProbsKvLayout& l,
+inline void PackProbsKv(const AttentionParams& p, int64_t b, int64_t hkv, const ProbsKvLayout& l,
                         float* base) {
   const int64_t d = p.head_dim, dv = p.v_dim, stride_k = p.kv_heads * d, stride_v = p.kv_heads * dv;
   const int64_t kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
@@ -212,7 +212,7 @@ inline void ZeroOutsideTiles(Elem elem, void* dst, int64_t row0, int64_t skv, in
 }
 
 // Element index of (b, h, i, 0) in a [B, Hq, Sq, Skv] array.
-inline int64_t ProbsRow(const FlashParams& p, int64_t b, int64_t h, int64_t i) {
+inline int64_t ProbsRow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
   return ((b * p.q_heads + h) * p.q_len + i) * p.kv_len;
 }
 
@@ -227,7 +227,7 @@ struct ProbsForwardScratch {
   FloatBuffer drop;       // [BK][BQ]
   FloatBuffer qt, ot;     // [D][BQ], [Dv][BQ]
   FloatBuffer rows;       // [BQ][max(D, Dv)]: q rows in, out rows out
-  explicit ProbsForwardScratch(const FlashParams& p)
+  explicit ProbsForwardScratch(const AttentionParams& p)
       : scores(CeilDiv(p.kv_len, kBlockK) * kBlockK * kBlockQ),
         tile_m(CeilDiv(p.kv_len, kBlockK) * kBlockQ),
         weights(p.rng_state != nullptr ? kBlockK * kBlockQ : 1),
@@ -262,7 +262,7 @@ inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, cons
   }
 }
 
-inline void ProbsForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b, int64_t h,
+inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, int64_t h,
                               int64_t ib, const ProbsForwardOutputs& o, ProbsForwardScratch& sc) {
   const int64_t d = p.head_dim, dv = p.v_dim, skv = p.kv_len;
   const HeadView hv(p, b, h);
@@ -359,7 +359,7 @@ inline void ProbsForwardBlock(const FlashParams& p, const KvPack& kv, int64_t b,
   }
 }
 
-inline void ProbsForward(const FlashParams& p, const ProbsForwardOutputs& o,
+inline void ProbsForward(const AttentionParams& p, const ProbsForwardOutputs& o,
                          ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_len == 0 || p.q_heads == 0) return;
   const ProbsKvLayout layout(p, /*fwd=*/true);
@@ -397,7 +397,7 @@ struct ProbsBackwardScratch {
   FloatBuffer dot;      // [Dv][BQ]: dO^T
   FloatBuffer do_rows;  // [BQ][Dvp]
   FloatBuffer dqt;      // [D][BQ]
-  explicit ProbsBackwardScratch(const FlashParams& p)
+  explicit ProbsBackwardScratch(const AttentionParams& p)
       : dp(RoundUpLanes(p.head_dim)),
         dvp(RoundUpLanes(p.v_dim)),
         probs(CeilDiv(p.kv_len, kBlockK) * kBlockK * kBlockQ),
@@ -414,7 +414,7 @@ struct ProbsBackwardScratch {
 
 // Packs the query side of one query block (zero beyond the valid rows): q rows, dO rows, dO^T,
 // and with a softcap Q^T.
-inline void PackQueryBlock(const FlashParams& p, const ProbsBackwardInputs& in, int64_t b,
+inline void PackQueryBlock(const AttentionParams& p, const ProbsBackwardInputs& in, int64_t b,
                            int64_t h, int64_t i0, int64_t valid, ProbsBackwardScratch& sc) {
   const int64_t d = p.head_dim, dv = p.v_dim;
   const int64_t token = (b * p.q_len + i0) * p.q_heads + h;
@@ -427,7 +427,7 @@ inline void PackQueryBlock(const FlashParams& p, const ProbsBackwardInputs& in, 
 
 // One query block of query head h: dq rows and dbias rows written, dK/dV of the block's keys
 // accumulated into dk_acc [Skvp][Dp] / dv_acc [Skvp][Dvp].
-inline void ProbsBackwardBlock(const FlashParams& p, const ProbsBackwardInputs& in,
+inline void ProbsBackwardBlock(const AttentionParams& p, const ProbsBackwardInputs& in,
                                const BackwardOutputs& o, const KvPack& kv, int64_t b, int64_t h,
                                int64_t ib, float* dk_acc, float* dv_acc,
                                ProbsBackwardScratch& sc) {
@@ -535,13 +535,13 @@ inline void ProbsBackwardBlock(const FlashParams& p, const ProbsBackwardInputs& 
 // Query blocks of one (batch, kv head) are split into this many shares (each with its own dK/dV
 // partial sums, added in order afterwards) when there are too few (batch, kv head) pairs to keep
 // the threads busy. A function of the shapes only, so results never depend on threads.
-inline int64_t BackwardShares(const FlashParams& p, int64_t units) {
+inline int64_t BackwardShares(const AttentionParams& p, int64_t units) {
   constexpr int64_t kMinTasks = 16;
   const int64_t pairs = std::max<int64_t>(p.batch * p.kv_heads, 1);
   return std::clamp<int64_t>(CeilDiv(kMinTasks, pairs), 1, std::max<int64_t>(units, 1));
 }
 
-inline void ProbsBackward(const FlashParams& p, const ProbsBackwardInputs& in,
+inline void ProbsBackward(const AttentionParams& p, const ProbsBackwardInputs& in,
                           const BackwardOutputs& o, ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_heads == 0) return;
   const ProbsKvLayout layout(p, /*fwd=*/false);

@@ -5,11 +5,11 @@
 #define ATTNAUX_CSRC_CPU_PROBS_FFI_H_
 
 #include <cstdint>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/attention_validate.h"
+#include "common/ffi_shapes.h"
 #include "cpu/attention_cpu.h"
 #include "cpu/cpu_memory.h"
 #include "cpu/probs_common.h"
@@ -21,42 +21,28 @@ namespace attnaux::cpu::pk {
 
 namespace ffi = xla::ffi;
 
+using attnaux::Absent;
+
 enum class Primitive { kProbs, kSmallSeq };
 
 inline const char* TargetName(Primitive prim) {
   return prim == Primitive::kProbs ? "attnaux_probs" : "attnaux_small_seq";
 }
 
-inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-inline bool IsAbsent(ffi::AnyBuffer::Dimensions dims) { return dims.size() == 1 && dims[0] == 0; }
-
 inline ffi::Error CheckBuffer(Primitive prim, const std::string& name, ffi::DataType got_dtype,
                               ffi::DataType dtype, ffi::AnyBuffer::Dimensions dims,
                               const std::vector<int64_t>& expected) {
-  bool same = dims.size() == expected.size();
-  for (size_t i = 0; same && i < expected.size(); ++i) same = dims[i] == expected[i];
   if (got_dtype != dtype) {
     return ffi::Error::InvalidArgument(std::string(TargetName(prim)) + ": " + name +
                                        " has the wrong dtype (#" +
                                        std::to_string(static_cast<int>(got_dtype)) + ", expected #" +
                                        std::to_string(static_cast<int>(dtype)) + ").");
   }
-  if (same) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      std::string(TargetName(prim)) + ": " + name + " must have shape " +
-      ShapeString(ffi::AnyBuffer::Dimensions(expected.data(), expected.size())) + ", got " +
-      ShapeString(dims) + ".");
+  return attnaux::ExpectShape(TargetName(prim), name, dims, expected);
 }
 
 // small_seq serves one query row against at most kSmallMaxKeys keys.
-inline ffi::Error CheckPrimitiveShape(Primitive prim, const FlashParams& p) {
+inline ffi::Error CheckPrimitiveShape(Primitive prim, const AttentionParams& p) {
   if (prim == Primitive::kSmallSeq && (p.q_len != 1 || p.kv_len > kSmallMaxKeys)) {
     return ffi::Error::InvalidArgument(
         "attnaux_small_seq: needs q_seq == 1 and kv_seq <= " + std::to_string(kSmallMaxKeys) +
@@ -84,11 +70,12 @@ ffi::Error ProbsForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::Result<ffi::Buffer<ffi::F32>> lse,
                             ffi::Result<ffi::Buffer<ffi::F32>> max,
                             ffi::Result<ffi::AnyBuffer> probs) {
-  FlashParams p;
+  AttentionParams p;
   ATTNAUX_PROBS_RETURN_IF_ERROR(ValidateAttentionInputs(
-      TargetName(kPrim), q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-      kv_segment_ids, sink, rng_state, scale, softcap, causal, window_left, window_right,
-      dropout_rate, &p));
+      TargetName(kPrim), ValidationRules::kCpu,
+      {q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink,
+       rng_state, scale, softcap, causal, window_left, window_right, dropout_rate},
+      &p));
   ATTNAUX_PROBS_RETURN_IF_ERROR(CheckPrimitiveShape(kPrim, p));
   const ffi::DataType dtype = q.element_type();
   ATTNAUX_PROBS_RETURN_IF_ERROR(CheckBuffer(kPrim, "out (output)", out->element_type(), dtype,
@@ -100,7 +87,7 @@ ffi::Error ProbsForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   ATTNAUX_PROBS_RETURN_IF_ERROR(CheckBuffer(kPrim, "max (output)", ffi::DataType::F32,
                                             ffi::DataType::F32, max->dimensions(),
                                             {p.batch, p.q_heads, p.q_len}));
-  const bool write_probs = !IsAbsent(probs->dimensions());
+  const bool write_probs = !Absent(probs->dimensions());
   if (write_probs) {
     ATTNAUX_PROBS_RETURN_IF_ERROR(CheckBuffer(kPrim, "probs (output)", probs->element_type(),
                                               dtype, probs->dimensions(),
@@ -133,11 +120,12 @@ ffi::Error ProbsBackwardImpl(
     int64_t window_left, int64_t window_right, float dropout_rate, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     ffi::Result<ffi::Buffer<ffi::F32>> dbias) {
-  FlashParams p;
+  AttentionParams p;
   ATTNAUX_PROBS_RETURN_IF_ERROR(ValidateAttentionInputs(
-      TargetName(kPrim), q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-      kv_segment_ids, sink, rng_state, scale, softcap, causal, window_left, window_right,
-      dropout_rate, &p));
+      TargetName(kPrim), ValidationRules::kCpu,
+      {q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink,
+       rng_state, scale, softcap, causal, window_left, window_right, dropout_rate},
+      &p));
   ATTNAUX_PROBS_RETURN_IF_ERROR(CheckPrimitiveShape(kPrim, p));
   const ffi::DataType dtype = q.element_type();
   const std::vector<int64_t> p_shape = {p.batch, p.q_heads, p.q_len, p.kv_len};
@@ -148,7 +136,7 @@ ffi::Error ProbsBackwardImpl(
       CheckBuffer(kPrim, "probs", probs.element_type(), dtype, probs.dimensions(), p_shape));
   ATTNAUX_PROBS_RETURN_IF_ERROR(CheckBuffer(kPrim, "dlse", ffi::DataType::F32, ffi::DataType::F32,
                                             dlse.dimensions(), {p.batch, p.q_heads, p.q_len}));
-  const bool has_dprobs = !IsAbsent(dprobs.dimensions());
+  const bool has_dprobs = !Absent(dprobs.dimensions());
   if (has_dprobs) {
     ATTNAUX_PROBS_RETURN_IF_ERROR(CheckBuffer(kPrim, "dprobs", dprobs.element_type(), dtype,
                                               dprobs.dimensions(), p_shape));

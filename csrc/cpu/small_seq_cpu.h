@@ -265,7 +265,7 @@ struct SmallScratch {
   std::vector<float> coef;     // [max(group, kSmallMaxKeys)]: weights of a WeightedSum
   std::vector<const float*> rows;
 
-  SmallScratch(const FlashParams& p, bool backward)
+  SmallScratch(const AttentionParams& p, bool backward)
       : direct(p.elem == Elem::kF32 && p.head_dim % kLanes == 0 && p.v_dim % kLanes == 0),
         dp(RoundUp(p.head_dim, kLanes)),
         dvp(RoundUp(p.v_dim, kLanes)),
@@ -293,7 +293,7 @@ inline void KeyRows(const RowsF32& block, int64_t kv_heads, int64_t kv, int64_t 
 
 // dots[h * kSmallKeyPad + j] = <a_h, block(j, h / group)> for every head h and key j in [lo, hi).
 // One prefetch step per head.
-inline void HeadKeyDots(const RowsF32& a, const RowsF32& block, const FlashParams& p, int64_t lo,
+inline void HeadKeyDots(const RowsF32& a, const RowsF32& block, const AttentionParams& p, int64_t lo,
                         int64_t hi, int64_t width, SmallScratch& sc, float* dots,
                         Prefetcher& prefetch) {
   const int64_t group = p.group();
@@ -325,7 +325,7 @@ inline uint32_t SmallVisible(const HeadRows& hr, int64_t lo, int64_t hi) {
 // max over visible keys.
 inline float SmallSoftmax(const HeadRows& hr, uint32_t visible, int64_t lo, int64_t hi, float* s,
                           float* m_out) {
-  const FlashParams& p = *hr.p;
+  const AttentionParams& p = *hr.p;
   const VecF scale = Splat(p.scale);
   for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) {
     VecF x = Load(s + t) * scale;
@@ -365,7 +365,7 @@ inline void SmallDropRow(const HeadRows& hr, int64_t lo, int64_t hi, float* drop
   if (hr.dropout() && hi > lo) hr.DropRow(0, lo, hi, drop + lo);
 }
 
-inline void SmallForwardPadding(const FlashParams& p, const ProbsForwardOutputs& o, int64_t b) {
+inline void SmallForwardPadding(const AttentionParams& p, const ProbsForwardOutputs& o, int64_t b) {
   for (int64_t h = 0; h < p.q_heads; ++h) {
     const int64_t row = b * p.q_heads + h;  // q_len == 1: stats, P and out rows share the index
     o.lse[row] = p.sink != nullptr ? p.sink[h] : -kInfP;
@@ -382,7 +382,7 @@ struct Block {
       : base(static_cast<const char*>(data) + b * rows * width * size) {}
 };
 
-inline void SmallForwardBatch(const FlashParams& p, const ProbsForwardOutputs& o, int64_t b,
+inline void SmallForwardBatch(const AttentionParams& p, const ProbsForwardOutputs& o, int64_t b,
                               bool prefetch_next, SmallScratch& sc) {
   const int64_t hq = p.q_heads, hkv = p.kv_heads, group = p.group(), skv = p.kv_len;
   const int64_t dp = sc.dp, dvp = sc.dvp;
@@ -443,7 +443,7 @@ inline void SmallForwardBatch(const FlashParams& p, const ProbsForwardOutputs& o
   }
 }
 
-inline void SmallBackwardPadding(const FlashParams& p, const BackwardOutputs& o, int64_t b) {
+inline void SmallBackwardPadding(const AttentionParams& p, const BackwardOutputs& o, int64_t b) {
   const int64_t hq = p.q_heads, skv = p.kv_len;
   FillZero(p.elem, o.dq, b * hq * p.head_dim, hq * p.head_dim);
   FillZero(p.elem, o.dk, b * skv * p.kv_heads * p.head_dim, skv * p.kv_heads * p.head_dim);
@@ -458,7 +458,7 @@ inline void SmallBackwardPadding(const FlashParams& p, const BackwardOutputs& o,
 inline uint32_t SmallBackwardRow(const HeadRows& hr, const ProbsBackwardInputs& in,
                                  const BackwardOutputs& o, int64_t lo, int64_t hi,
                                  const float* prob, const float* raw, float* dp_row, float* w) {
-  const FlashParams& p = *hr.p;
+  const AttentionParams& p = *hr.p;
   const int64_t row = hr.b * p.q_heads + hr.h, skv = p.kv_len;
   float drop[kSmallKeyPad];
   SmallDropRow(hr, lo, hi, drop);
@@ -491,7 +491,7 @@ inline uint32_t SmallBackwardRow(const HeadRows& hr, const ProbsBackwardInputs& 
   return nonzero;
 }
 
-inline void SmallBackwardBatch(const FlashParams& p, const ProbsBackwardInputs& in,
+inline void SmallBackwardBatch(const AttentionParams& p, const ProbsBackwardInputs& in,
                                const BackwardOutputs& o, int64_t b, bool prefetch_next,
                                SmallScratch& sc) {
   const int64_t hq = p.q_heads, hkv = p.kv_heads, group = p.group(), skv = p.kv_len;
@@ -591,7 +591,7 @@ inline void SmallBackwardBatch(const FlashParams& p, const ProbsBackwardInputs& 
 // Entry points
 // ---------------------------------------------------------------------------------------------
 
-inline void SmallSeqForward(const FlashParams& p, const ProbsForwardOutputs& o,
+inline void SmallSeqForward(const AttentionParams& p, const ProbsForwardOutputs& o,
                             ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_heads == 0 || p.q_len == 0) return;
   ParallelFor(pool, CeilDiv(p.batch, kSmallBatchPerTask), [&](int64_t task) {
@@ -604,7 +604,7 @@ inline void SmallSeqForward(const FlashParams& p, const ProbsForwardOutputs& o,
   });
 }
 
-inline void SmallSeqBackward(const FlashParams& p, const ProbsBackwardInputs& in,
+inline void SmallSeqBackward(const AttentionParams& p, const ProbsBackwardInputs& in,
                              const BackwardOutputs& o, ffi::ThreadPool* pool) {
   if (p.batch == 0 || p.q_heads == 0) return;
   if (p.q_len == 0) {  // no query row: every gradient is zero (q and dq are empty)

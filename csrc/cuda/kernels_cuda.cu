@@ -10,8 +10,8 @@
 // - `attnaux_probs_softmax_fwd` / `attnaux_probs_softmax_bwd` (GPU only): the fused softmax
 //   between the GEMMs of the `probs` backend on GPU (src/attnaux/_probs_gpu.py), which leaves
 //   q k^T, P v and the backward products to XLA (cuBLAS).
-// - Dropout: Philox-4x32-10 with the counter layout of docs/kernel_abi.md (csrc/philox.h), so the
-//   keep-mask is bitwise the CPU one.
+// - Dropout: Philox-4x32-10 with the counter layout of docs/kernel_abi.md (csrc/common/philox.h,
+//   the CPU kernels' own), so the keep-mask is bitwise the CPU one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,6 +21,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/philox.h"
 #include "cuda/kernels_cuda.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -101,29 +102,13 @@ __device__ __forceinline__ float WarpMax(float x) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Philox-4x32-10 and the dropout keep-mask (docs/kernel_abi.md, csrc/philox.h)
+// Philox-4x32-10 and the dropout keep-mask (docs/kernel_abi.md, csrc/common/philox.h)
 // ------------------------------------------------------------------------------------------------
 // The four words of Philox-4x32-10 for counter (group, offset) and key seed: the words of the
-// elements 4 * group ... 4 * group + 3 of a row-major element index.
+// elements 4 * group ... 4 * group + 3 of a row-major element index (common/philox.h).
 __device__ __forceinline__ uint4 PhiloxBlock(const uint32_t* rng, uint64_t group) {
-  uint32_t c0 = static_cast<uint32_t>(group), c1 = static_cast<uint32_t>(group >> 32);
-  uint32_t c2 = rng[2], c3 = rng[3];
-  uint32_t k0 = rng[0], k1 = rng[1];
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
-    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-  }
-  return make_uint4(c0, c1, c2, c3);
+  const attnaux::PhiloxWords w = attnaux::DropoutGroupWords(rng, group);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The Philox word of element e (compared with the threshold, it gives e's keep bit).
