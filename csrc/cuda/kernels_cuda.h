@@ -1,7 +1,8 @@
-// XLA FFI handlers of attnaux's own CUDA kernels (csrc/kernels_cuda.cu): the fused softmax
-// (docs/softmax_abi.md) and the `small_seq` attention primitive (docs/kernel_abi.md), registered
-// for platform "CUDA" under the same target names as the CPU handlers, and the fused softmax of
-// the `probs` backend on GPU (GPU-only targets, see src/attnaux/_probs_gpu.py).
+// XLA FFI handlers of attnaux's own CUDA kernels: the fused softmax (docs/softmax_abi.md;
+// cuda/softmax.cu) and the `small_seq` attention primitive (docs/kernel_abi.md;
+// cuda/small_seq.cu), registered for platform "CUDA" under the same target names as the CPU
+// handlers, and the fused softmax of the `probs` backend on GPU (cuda/probs_softmax.cu; GPU-only
+// targets, see src/attnaux/_probs_gpu.py).
 #pragma once
 
 #include "xla/ffi/api/c_api.h"

@@ -1,5 +1,5 @@
-// pybind11 module attnaux._kernels_cuda: attnaux's own CUDA kernels (kernels_cuda.cu) as XLA FFI
-// capsules, registered by attnaux._ffi for platform "CUDA" under the CPU targets' names.
+// pybind11 module attnaux._kernels_cuda: attnaux's own CUDA kernels (softmax.cu, small_seq.cu,
+// probs_softmax.cu; handlers declared in kernels_cuda.h) as XLA FFI capsules, registered by attnaux._ffi for platform "CUDA" under the CPU targets' names.
 //
 // A module of its own, apart from attnaux._ext_cuda: it links the CUDA runtime statically (its
 // symbols kept private with --exclude-libs), which must not meet the cuDNN frontend's dynamically
