@@ -19,7 +19,6 @@ enum class Elem { kF32, kBF16, kF16 };
 // have stride 0. Optional inputs are nullptr when absent.
 struct AttentionParams {
   int64_t batch = 0, q_len = 0, kv_len = 0, q_heads = 0, kv_heads = 0, head_dim = 0, v_dim = 0;
-  Elem elem = Elem::kF32;
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -38,10 +37,13 @@ struct AttentionParams {
   int32_t causal = 0;
   int64_t window_left = -1;  // already clamped by the handler so that i + off - wl cannot wrap
   int64_t window_right = -1;
-  float dropout_rate = 0.0f;
   // With dropout: keep = Philox word >= drop_threshold, kept values times drop_scale.
   uint32_t drop_threshold = 0;
   float drop_scale = 1.0f;
+  // Read by the CPU kernels only. Last, so that the fields before them keep the layout of the
+  // CUDA kernels' former argument struct (the same kernel-parameter offsets, the same code).
+  float dropout_rate = 0.0f;
+  Elem elem = Elem::kF32;
 
   ATTNAUX_HOST_DEVICE int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 1; }
 };

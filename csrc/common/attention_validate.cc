@@ -210,7 +210,9 @@ ffi::Error CheckCudaRules(const std::string& target, const AttentionInputs& in) 
   } else if (!Absent(in.rng_state.dims)) {
     return Invalid(target, "`rng_state` must be (0,) when dropout_rate == 0.");
   }
-  if (in.causal < 0 || in.causal > 2) return Invalid(target, "attribute `causal` must be 0, 1 or 2.");
+  if (in.causal < 0 || in.causal > 2) {
+    return Invalid(target, "attribute `causal` must be 0, 1 or 2.");
+  }
   if (!(in.softcap >= 0.0f)) return Invalid(target, "attribute `softcap` must be >= 0.");
   return ffi::Error::Success();
 }

@@ -16,7 +16,8 @@ struct PhiloxWords {
   ATTNAUX_HOST_DEVICE uint32_t operator[](int i) const { return w[i]; }
 };
 
-// hi:lo = a * b. The device uses the mul.hi instruction, the host one 64-bit product: the same bits.
+// hi:lo = a * b: on the device mul.lo and mul.hi (as the CUDA kernels had it), on the host one
+// 64-bit product (as the CPU kernels had it). The same bits either way.
 ATTNAUX_HOST_DEVICE void MulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
 #if defined(__CUDA_ARCH__)
   *lo = a * b;

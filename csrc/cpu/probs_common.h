@@ -202,7 +202,8 @@ struct HeadRows {
   uint32_t drop_threshold = 0;
   float drop_scale = 1.0f;
 
-  HeadRows(const AttentionParams& params, int64_t batch, int64_t head) : p(&params), b(batch), h(head) {
+  HeadRows(const AttentionParams& params, int64_t batch, int64_t head)
+      : p(&params), b(batch), h(head) {
     ql = std::clamp<int64_t>(params.q_seqlens[b], 0, params.q_len);
     kl = std::clamp<int64_t>(params.kv_seqlens[b], 0, params.kv_len);
     off = params.causal == 2 ? kl - ql : 0;

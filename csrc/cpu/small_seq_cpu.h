@@ -293,8 +293,8 @@ inline void KeyRows(const RowsF32& block, int64_t kv_heads, int64_t kv, int64_t 
 
 // dots[h * kSmallKeyPad + j] = <a_h, block(j, h / group)> for every head h and key j in [lo, hi).
 // One prefetch step per head.
-inline void HeadKeyDots(const RowsF32& a, const RowsF32& block, const AttentionParams& p, int64_t lo,
-                        int64_t hi, int64_t width, SmallScratch& sc, float* dots,
+inline void HeadKeyDots(const RowsF32& a, const RowsF32& block, const AttentionParams& p,
+                        int64_t lo, int64_t hi, int64_t width, SmallScratch& sc, float* dots,
                         Prefetcher& prefetch) {
   const int64_t group = p.group();
   for (int64_t h = 0; h < p.q_heads; ++h) {
