@@ -36,19 +36,12 @@ namespace {
 
 using attnaux::Absent;
 using attnaux::Dims;
-using attnaux::SameDims;
+using attnaux::ExpectShape;  // "<target>: <name> must have shape ..., got ...."
 using attnaux::Shape;
 
 
 ffi::Error Invalid(const std::string& target, const std::string& what) {
   return ffi::Error::InvalidArgument(target + ": " + what);
-}
-
-ffi::Error ExpectShape(const std::string& target, const std::string& name, Dims dims,
-                       const std::vector<int64_t>& expected) {
-  if (SameDims(dims, expected)) return ffi::Error::Success();
-  return Invalid(target, name + " must have shape " + Shape(expected) + ", got " + Shape(dims) +
-                            ".");
 }
 
 ffi::Error CudaError(const std::string& target, const char* what, cudaError_t e) {
