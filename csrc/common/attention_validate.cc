@@ -26,10 +26,6 @@ ffi::Error Invalid(const std::string& target, const std::string& what) {
   return ffi::Error::InvalidArgument(target + ": " + what);
 }
 
-bool IsFloat(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
-
 // Whether a [B|1, Hq|1, Sq|1, Skv|1] operand (bias or mask) broadcasts to `full`.
 bool Broadcasts4(Dims dims, const int64_t full[4]) {
   if (dims.size() != 4) return false;

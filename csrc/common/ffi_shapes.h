@@ -55,9 +55,17 @@ inline bool SameDims(Dims dims, std::initializer_list<int64_t> expected) {
   return true;
 }
 
+inline bool SameDims(Dims a, Dims b) { return a == b; }
+
 // An optional input is absent when it has shape (0,).
 inline bool Absent(Dims dims) { return dims.size() == 1 && dims[0] == 0; }
 inline bool Absent(const xla::ffi::AnyBuffer& buffer) { return Absent(buffer.dimensions()); }
+
+// The element types of attnaux's float inputs (q, k, v, logits).
+inline bool IsFloat(xla::ffi::DataType t) {
+  return t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16 ||
+         t == xla::ffi::DataType::F16;
+}
 
 inline std::string DtypeName(xla::ffi::DataType t) {
   switch (t) {

@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "common/ffi_capsule.h"
+#include "common/ffi_shapes.h"
 #include "cpu/cpu_memory.h"
 #include "cpu/softmax_cpu.h"
 #include "cpu/softmax_registry.h"
@@ -13,34 +14,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using attnaux::Absent;
+using attnaux::BracketShape;
+using attnaux::IsFloat;
+using attnaux::SameDims;
 using attnaux::cpu::softmax::Bf16;
 using attnaux::cpu::softmax::ForwardShape;
 using attnaux::cpu::softmax::Half;
-
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-bool SameDims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i]) return false;
-  }
-  return true;
-}
-
-bool IsEmptyPlaceholder(const ffi::AnyBuffer& b) {
-  return b.dimensions().size() == 1 && b.dimensions()[0] == 0;
-}
-
-bool IsFloat(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
 
 // Calls fn(T{}) with T the storage type of `t` (float, Bf16 or Half).
 template <typename Fn>
@@ -68,7 +48,8 @@ ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyB
                           ffi::Result<ffi::AnyBuffer> row_max) {
   const auto ld = logits.dimensions();
   if (ld.size() != 3) {
-    return Invalid("`logits` must have rank 3 [N, q_seq, kv_seq]; got " + Dims(ld) + ".");
+    return Invalid("`logits` must have rank 3 [N, q_seq, kv_seq]; got " + BracketShape(ld) +
+                   ".");
   }
   if (!IsFloat(logits.element_type())) {
     return Invalid("`logits` must be F32, BF16 or F16.");
@@ -83,18 +64,19 @@ ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyB
   if (causal < 0 || causal > 2) {
     return Invalid("attribute `causal` must be 0, 1 or 2; got " + std::to_string(causal) + ".");
   }
-  if (!IsEmptyPlaceholder(mask)) {
+  if (!Absent(mask)) {
     const auto md = mask.dimensions();
     if (mask.element_type() != ffi::DataType::PRED) return Invalid("`mask` must be PRED (bool).");
     if (md.size() != 3) {
       return Invalid("`mask` must have rank 3 [mask_n, q_seq or 1, kv_seq or 1] or be the empty "
-                     "(0,) placeholder; got " + Dims(md) + ".");
+                     "(0,) placeholder; got " + BracketShape(md) + ".");
     }
     s.mask_n = md[0];
     s.mask_q = md[1];
     s.mask_kv = md[2];
     if ((s.mask_q != 1 && s.mask_q != s.q_seq) || (s.mask_kv != 1 && s.mask_kv != s.kv_seq)) {
-      return Invalid("`mask` of shape " + Dims(md) + " does not broadcast to logits " + Dims(ld) +
+      return Invalid("`mask` of shape " + BracketShape(md) + " does not broadcast to logits " +
+                     BracketShape(ld) +
                      ": its last two dimensions must each be 1 or equal to logits'.");
     }
     if (mask_div < 1) {
@@ -113,14 +95,14 @@ ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyB
   }
   const int64_t rows = s.n * s.q_seq;
   if (probs->element_type() != logits.element_type() || !SameDims(probs->dimensions(), ld)) {
-    return Invalid("output `probs` must have logits' dtype and shape " + Dims(ld) + ".");
+    return Invalid("output `probs` must have logits' dtype and shape " + BracketShape(ld) + ".");
   }
   for (auto* out : {&lse, &row_max}) {
     const auto od = (*out)->dimensions();
     if ((*out)->element_type() != ffi::DataType::F32 || od.size() != 2 || od[0] != s.n ||
         od[1] != s.q_seq) {
       return Invalid("outputs `lse` and `max` must be F32 of shape [" + std::to_string(s.n) +
-                     ", " + std::to_string(s.q_seq) + "]; got " + Dims(od) + ".");
+                     ", " + std::to_string(s.q_seq) + "]; got " + BracketShape(od) + ".");
     }
   }
   (void)rows;
@@ -142,22 +124,23 @@ ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer probs, ffi::AnyBu
                           ffi::AnyBuffer dlse, float scale, ffi::Result<ffi::AnyBuffer> dlogits) {
   const auto pd = probs.dimensions();
   if (pd.size() != 3) {
-    return Invalid("`probs` must have rank 3 [N, q_seq, kv_seq]; got " + Dims(pd) + ".");
+    return Invalid("`probs` must have rank 3 [N, q_seq, kv_seq]; got " + BracketShape(pd) + ".");
   }
   if (!IsFloat(probs.element_type())) return Invalid("`probs` must be F32, BF16 or F16.");
   if (pd[0] < 0 || pd[1] < 0 || pd[2] < 0) return Invalid("`probs` has a negative dimension.");
   if (dprobs.element_type() != probs.element_type() || !SameDims(dprobs.dimensions(), pd)) {
-    return Invalid("`dprobs` must have the dtype and shape " + Dims(pd) + " of `probs`; got " +
-                   Dims(dprobs.dimensions()) + ".");
+    return Invalid("`dprobs` must have the dtype and shape " + BracketShape(pd) +
+                   " of `probs`; got " + BracketShape(dprobs.dimensions()) + ".");
   }
   const auto ld = dlse.dimensions();
   if (dlse.element_type() != ffi::DataType::F32 || ld.size() != 2 || ld[0] != pd[0] ||
       ld[1] != pd[1]) {
     return Invalid("`dlse` must be F32 of shape [" + std::to_string(pd[0]) + ", " +
-                   std::to_string(pd[1]) + "]; got " + Dims(ld) + ".");
+                   std::to_string(pd[1]) + "]; got " + BracketShape(ld) + ".");
   }
   if (dlogits->element_type() != probs.element_type() || !SameDims(dlogits->dimensions(), pd)) {
-    return Invalid("output `dlogits` must have the dtype and shape " + Dims(pd) + " of `probs`.");
+    return Invalid("output `dlogits` must have the dtype and shape " + BracketShape(pd) +
+                   " of `probs`.");
   }
   attnaux::cpu::AdviseHugePages(dlogits->untyped_data(), dlogits->size_bytes());
   Dispatch(probs.element_type(), [&](auto tag) {

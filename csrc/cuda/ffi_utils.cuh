@@ -19,11 +19,8 @@ namespace ffi = xla::ffi;
 
 using attnaux::Absent;
 using attnaux::BracketShape;
+using attnaux::IsFloat;
 using attnaux::SameDims;
-
-inline bool IsFloat(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
 
 template <typename Fn>
 cudaError_t DispatchT(ffi::DataType t, const Fn& fn) {
