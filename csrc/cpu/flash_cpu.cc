@@ -149,6 +149,7 @@ ffi::Error FlashBackwardImpl(
 }  // namespace
 }  // namespace attnaux::cpu
 
+// attnaux_flash_fwd: out, lse and max of blocked flash attention (attention_cpu.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashFwdCpu, attnaux::cpu::FlashForwardImpl,
     ffi::Ffi::Bind()
@@ -174,6 +175,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()       // lse [B, Hq, Sq]
         .Ret<ffi::Buffer<ffi::F32>>());     // max [B, Hq, Sq]
 
+// attnaux_flash_bwd: dq, dk, dv, dbias, recomputing P from the saved lse (attention_cpu.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashBwdCpu, attnaux::cpu::FlashBackwardImpl,
     ffi::Ffi::Bind()

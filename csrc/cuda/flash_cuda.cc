@@ -422,6 +422,7 @@ std::vector<std::pair<std::string, std::string>> GetCacheEntries() {
 
 }  // namespace attnaux_cuda
 
+// attnaux_flash_fwd_cudnn: out and the softmax statistics from a cached cuDNN forward graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashFwdCudnn, attnaux_cuda::FlashForwardImpl,
     ffi::Ffi::Bind()
@@ -451,6 +452,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()              // keep mask 0/1 [B, Hq, Sq, Skv] or (0,)
         .Ret<ffi::AnyBuffer>());                   // workspace (u8, (0,): XLA's scratch)
 
+// attnaux_flash_bwd_cudnn: dq, dk, dv and dbias from a cached cuDNN backward graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttnauxFlashBwdCudnn, attnaux_cuda::FlashBackwardImpl,
     ffi::Ffi::Bind()
