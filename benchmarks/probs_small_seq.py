@@ -26,7 +26,7 @@ processes does not favour one of them):
    fastest other path, `small_seq`'s achieved bandwidth as a fraction of the copy bandwidth, and
    the CPU time of `small_seq`'s best call (user / system, all threads): system time is the
    operating system zeroing fresh output pages on first touch (XLA gives every call new output
-   buffers; attnaux's handlers ask for 2 MiB pages for large ones, `csrc/cpu_memory.h`).
+   buffers; attnaux's handlers ask for 2 MiB pages for large ones, `csrc/cpu/cpu_memory.h`).
 3. `probs` vs `flash` at 4x256x8x64 and 4x512x8x64 (b x s x h x d, self-attention, not causal),
    forward and forward+backward.
 

@@ -1,5 +1,6 @@
-"""attnaux's own CUDA kernels (csrc/kernels_cuda.cu) on the GPU: the fused softmax, `small_seq`
-and the `probs` backend (XLA's GEMMs around attnaux's CUDA softmax kernels, `_probs_cuda.py`).
+"""attnaux's own CUDA kernels (csrc/cuda/: softmax.cu, small_seq.cu, probs_softmax.cu) on the
+GPU: the fused softmax, `small_seq` and the `probs` backend (XLA's GEMMs around attnaux's CUDA
+softmax kernels, `_probs_cuda.py`).
 
 Marked `gpu` (skipped without a GPU, conftest.py) and skipped when this build has no CUDA module.
 Each kernel is compared with the pure-JAX `reference` path on the GPU (float32 math, HIGHEST

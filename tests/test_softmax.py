@@ -311,7 +311,7 @@ print(hashlib.sha256(b"".join(bytes(memoryview(jax.device_get(a)))
 
 @requires_kernel
 def test_huge_page_advice_does_not_change_results():
-    # Outputs of at least 32 MiB are advised MADV_HUGEPAGE (csrc/cpu_memory.h); the advice is a
+    # Outputs of at least 32 MiB are advised MADV_HUGEPAGE (csrc/cpu/cpu_memory.h); the advice is a
     # hint to the OS, so results must be bitwise those with it switched off.
     digests = []
     for setting in ("1", "0"):

@@ -1,7 +1,8 @@
 """The `flash` backend on NVIDIA GPUs: cuDNN's fused attention behind attnaux's XLA FFI handlers.
 
-The handlers (`csrc/flash_cuda.cc`, module `attnaux._ext_cuda`) build one cuDNN frontend graph per
-static configuration and cache it. What cuDNN does not give directly is done here, exactly:
+The handlers (`csrc/cuda/flash_cuda.cc`, module `attnaux._ext_cuda`) build one cuDNN frontend
+graph per static configuration and cache it. What cuDNN does not give directly is done here,
+exactly:
 
 - **lse and max**: cuDNN's forward emits `Max` and `Sum_exp`; `lse = max + log(sum_exp)` is one
   small XLA fusion after it, so the forward returns out, lse and max.

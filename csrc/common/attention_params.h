@@ -1,0 +1,53 @@
+// The parameters of one call of an attention primitive (docs/kernel_abi.md, inputs 0..10 and the
+// attributes), as the handlers' validation (common/attention_validate.h) fills them and every
+// kernel reads them: the CPU kernels by reference, the CUDA kernels as a kernel argument. Plain
+// data (no std:: containers, only default member values), so that one struct serves host and
+// device code, as FlashAttention's Flash_fwd_params does.
+#ifndef ATTNAUX_CSRC_COMMON_ATTENTION_PARAMS_H_
+#define ATTNAUX_CSRC_COMMON_ATTENTION_PARAMS_H_
+
+#include <cstdint>
+
+#include "common/host_device.h"
+
+namespace attnaux {
+
+// The element type of q, k, v (and of out, dq, dk, dv).
+enum class Elem { kF32, kBF16, kF16 };
+
+// Everything the kernels read, already validated by the handler. Broadcast dims of bias/mask
+// have stride 0. Optional inputs are nullptr when absent.
+struct AttentionParams {
+  int64_t batch = 0, q_len = 0, kv_len = 0, q_heads = 0, kv_heads = 0, head_dim = 0, v_dim = 0;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const float* bias = nullptr;
+  int64_t bias_stride[4] = {0, 0, 0, 0};  // element strides, 0 on broadcast dims
+  const bool* mask = nullptr;             // XLA's PRED: one byte, 0 or 1
+  int64_t mask_stride[4] = {0, 0, 0, 0};
+  const int32_t* q_seqlens = nullptr;
+  const int32_t* kv_seqlens = nullptr;
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
+  const float* sink = nullptr;
+  const uint32_t* rng_state = nullptr;  // non-null iff dropout_rate > 0
+  float scale = 1.0f;
+  float softcap = 0.0f;
+  int32_t causal = 0;
+  int64_t window_left = -1;  // already clamped by the handler so that i + off - wl cannot wrap
+  int64_t window_right = -1;
+  // With dropout: keep = Philox word >= drop_threshold, kept values times drop_scale.
+  uint32_t drop_threshold = 0;
+  float drop_scale = 1.0f;
+  // Read by the CPU kernels only. Last, so that the fields before them keep the layout of the
+  // CUDA kernels' former argument struct (the same kernel-parameter offsets, the same code).
+  float dropout_rate = 0.0f;
+  Elem elem = Elem::kF32;
+
+  ATTNAUX_HOST_DEVICE int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 1; }
+};
+
+}  // namespace attnaux
+
+#endif  // ATTNAUX_CSRC_COMMON_ATTENTION_PARAMS_H_

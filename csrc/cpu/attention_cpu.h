@@ -1,0 +1,556 @@
+// Blocked flash attention on the CPU: forward (online softmax) and backward (FA2-style, from the
+// saved lse). Semantics: docs/kernel_abi.md.
+//
+// Layout choice: query rows live in the vector lanes. A tile is kBlockK keys x kBlockQ queries
+// stored key-major ("S^T"), so the row max, row sum and rescaling of the online softmax are plain
+// vertical vector operations, and every matrix product is the broadcast-scalar x vector shape of
+// cpu_gemm.h:
+//   S^T  = K Q^T      (A = K^T tile,     B = Q^T  [D x BQ])
+//   O^T += V^T P^T    (A = V rows,       B = P^T  [keys x BQ])
+//   dP^T = V dO^T     (A = V^T tile,     B = dO^T [Dv x BQ])
+//   dV  += P dO       (A = P^T,          B = dO rows, head dim in lanes)
+//   dK  += dS Q       (A = dS^T,         B = Q rows,  head dim in lanes)
+//   dQ^T += K^T dS^T  (A = K rows,       B = dS^T)
+// K and V (and in the backward also Q, dO) are converted to float32 once into packed, zero-padded
+// buffers; rows beyond the valid lengths are packed as zeros, so NaN/inf there never enters a
+// product. Scratch is linear in the sequence lengths; the Sq x Skv score matrix never exists.
+//
+// Tile sizes and scratch: attention_tile.h. What a tile sees (band, mask, segments, dropout) and
+// its scores: attention_mask.h. Packing, forward and backward drivers: here.
+#ifndef ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_
+#define ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/attention_params.h"
+#include "cpu/attention_mask.h"
+#include "cpu/attention_tile.h"
+#include "cpu/cpu_gemm.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/cpu_simd.h"
+
+namespace attnaux::cpu {
+
+struct ForwardOutputs {
+  void* out = nullptr;
+  float* lse = nullptr;
+  float* max = nullptr;
+};
+
+struct BackwardInputs {
+  const void* out = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;
+  const float* dlse = nullptr;
+};
+
+struct BackwardOutputs {
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* dbias = nullptr;  // [B, Hq, Sq, Skv] when a bias is given, else nullptr
+};
+
+// Packed float32 K and V of one (batch, kv head); keys at or beyond kv_seqlens are zero.
+//   kt: [nkb][D][BK]   (K^T per key block)      v_rows: [nkb*BK][Dv]
+//   k_rows: [nkb*BK][D] and vt: [nkb][Dv][BK]   (backward only)
+struct KvPackLayout {
+  int64_t num_blocks, d, dv;
+  bool backward;
+  KvPackLayout(const AttentionParams& p, bool bwd)
+      : num_blocks(CeilDiv(p.kv_len, kBlockK)), d(p.head_dim), dv(p.v_dim), backward(bwd) {}
+  int64_t keys() const { return num_blocks * kBlockK; }
+  int64_t kt_size() const { return keys() * d; }
+  int64_t v_size() const { return keys() * dv; }
+  int64_t size() const { return backward ? 2 * (kt_size() + v_size()) : kt_size() + v_size(); }
+};
+
+struct KvPack {
+  const float* kt;
+  const float* v_rows;
+  const float* k_rows;
+  const float* vt;
+};
+
+inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
+  KvPack pack;
+  pack.kt = base;
+  pack.v_rows = base + layout.kt_size();
+  pack.k_rows = layout.backward ? base + layout.kt_size() + layout.v_size() : nullptr;
+  pack.vt = layout.backward ? base + 2 * layout.kt_size() + layout.v_size() : nullptr;
+  return pack;
+}
+
+inline void PackKv(const AttentionParams& p, int64_t b, int64_t hkv, const KvPackLayout& layout,
+                   float* base) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const int64_t kl = RowRanges(p, b).kl;
+  float* kt = base;
+  float* v_rows = base + layout.kt_size();
+  float* k_rows = layout.backward ? v_rows + layout.v_size() : nullptr;
+  float* vt = layout.backward ? k_rows + layout.kt_size() : nullptr;
+  std::vector<float> k_row(d), v_row(dv);
+  for (int64_t j = 0; j < layout.keys(); ++j) {
+    if (j < kl) {
+      LoadRow(p.elem, p.k, ((b * p.kv_len + j) * p.kv_heads + hkv) * d, d, k_row.data());
+      LoadRow(p.elem, p.v, ((b * p.kv_len + j) * p.kv_heads + hkv) * dv, dv, v_row.data());
+    } else {
+      std::fill(k_row.begin(), k_row.end(), 0.0f);
+      std::fill(v_row.begin(), v_row.end(), 0.0f);
+    }
+    const int64_t jb = j / kBlockK, jj = j % kBlockK;
+    for (int64_t x = 0; x < d; ++x) kt[(jb * d + x) * kBlockK + jj] = k_row[x];
+    std::copy(v_row.begin(), v_row.end(), v_rows + j * dv);
+    if (layout.backward) {
+      std::copy(k_row.begin(), k_row.end(), k_rows + j * d);
+      for (int64_t x = 0; x < dv; ++x) vt[(jb * dv + x) * kBlockK + jj] = v_row[x];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+
+// One (batch, query head, query block): online softmax over the visible key blocks.
+inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, int64_t h,
+                         int64_t ib, const ForwardOutputs& outputs, TileScratch& scratch,
+                         float* qt, float* ot) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const HeadView hv(p, b, h);
+  const int64_t i0 = ib * kBlockQ;
+  const int64_t rows_in_block = std::min(kBlockQ, p.q_len - i0);
+  const int64_t valid = std::min(hv.rows.ValidRows(i0), rows_in_block);
+
+  // Q^T of the block, zero beyond the valid rows.
+  std::fill(qt, qt + d * kBlockQ, 0.0f);
+  {
+    std::vector<float> row(d);
+    for (int64_t lane = 0; lane < valid; ++lane) {
+      LoadRow(p.elem, p.q, ((b * p.q_len + i0 + lane) * p.q_heads + h) * d, d, row.data());
+      for (int64_t x = 0; x < d; ++x) qt[x * kBlockQ + lane] = row[x];
+    }
+  }
+  std::fill(ot, ot + dv * kBlockQ, 0.0f);
+  VecF m[kQVectors], l[kQVectors];
+  for (int v = 0; v < kQVectors; ++v) {
+    m[v] = Splat(-kInf);
+    l[v] = VecF{};
+  }
+
+  const int64_t num_kv_blocks = CeilDiv(p.kv_len, kBlockK);
+  float* st = scratch.scores.get();
+  float* drop = scratch.drop.get();
+  for (int64_t jb = 0; jb < num_kv_blocks; ++jb) {
+    int64_t j0, j1;
+    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    if (j0 >= j1) continue;
+    const int64_t nk = j1 - j0;
+    ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr);
+    // Online softmax update, per lane (= query row).
+    VecF alpha[kQVectors];
+    for (int v = 0; v < kQVectors; ++v) {
+      VecF tile_max = Splat(-kInf);
+      for (int64_t r = 0; r < nk; ++r) {
+        tile_max = Max(tile_max, Load(st + r * kBlockQ + v * kLanes));
+      }
+      VecF m_new = Max(m[v], tile_max);
+      // A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (exp(-inf) = 0).
+      VecF m_use = m_new == -kInf ? VecF{} : m_new;
+      alpha[v] = Exp(m[v] - m_use);
+      VecF sum = VecF{};
+      for (int64_t r = 0; r < nk; ++r) {
+        float* sp = st + r * kBlockQ + v * kLanes;
+        VecF pr = Exp(Load(sp) - m_use);
+        sum += pr;
+        Store(sp, pr);
+      }
+      l[v] = l[v] * alpha[v] + sum;
+      m[v] = m_new;
+    }
+    if (hv.dropout()) {
+      DropoutTile(hv, i0, valid, j0, j1, drop);
+      for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
+        Store(st + x, Load(st + x) * Load(drop + x));
+      }
+    }
+    for (int64_t x = 0; x < dv; ++x) {
+      for (int v = 0; v < kQVectors; ++v) {
+        float* op = ot + x * kBlockQ + v * kLanes;
+        Store(op, Load(op) * alpha[v]);
+      }
+    }
+    GemmLanes<1>(dv, nk, kv.v_rows + j0 * dv, dv, st, kBlockQ, kQVectors, ot, kBlockQ, true);
+  }
+
+  // Final statistics and output rows.
+  float m_row[kBlockQ], l_row[kBlockQ];
+  for (int v = 0; v < kQVectors; ++v) {
+    Store(m_row + v * kLanes, m[v]);
+    Store(l_row + v * kLanes, l[v]);
+  }
+  std::vector<float> out_row(dv);
+  for (int64_t lane = 0; lane < rows_in_block; ++lane) {
+    const int64_t i = i0 + lane;
+    float mx = -kInf, lse = -kInf, factor = 0.0f;
+    if (lane < valid) {
+      mx = m_row[lane];
+      const float sum = l_row[lane];
+      if (hv.has_sink) {
+        const float big = std::max(mx, hv.sink);
+        const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
+        const float denom = scaled + std::exp(hv.sink - big);
+        lse = big + std::log(denom);
+        factor = mx == -kInf ? 0.0f : std::exp(mx - big) / denom;
+      } else if (mx != -kInf && sum > 0.0f) {
+        lse = mx + std::log(sum);
+        factor = 1.0f / sum;
+      }
+    } else if (hv.has_sink) {
+      lse = hv.sink;
+    }
+    const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
+    outputs.lse[stat] = lse;
+    outputs.max[stat] = mx;
+    for (int64_t x = 0; x < dv; ++x) {
+      out_row[x] = factor == 0.0f ? 0.0f : ot[x * kBlockQ + lane] * factor;
+    }
+    StoreRow(p.elem, outputs.out, ((b * p.q_len + i) * p.q_heads + h) * dv, dv, out_row.data());
+  }
+}
+
+// Rows of K/V packed per batch chunk, so that scratch stays bounded for huge batches. The chunk
+// depends only on shapes, never on threads.
+inline int64_t BatchChunk(int64_t per_batch_floats, int64_t batch) {
+  constexpr int64_t kBudgetFloats = int64_t{1} << 27;  // 512 MiB
+  return std::clamp<int64_t>(kBudgetFloats / std::max<int64_t>(per_batch_floats, 1), 1,
+                             std::max<int64_t>(batch, 1));
+}
+
+inline void FlashForward(const AttentionParams& p, const ForwardOutputs& outputs,
+                         ffi::ThreadPool* pool) {
+  if (p.batch == 0 || p.q_len == 0) return;
+  const KvPackLayout layout(p, /*bwd=*/false);
+  const int64_t chunk = BatchChunk(p.kv_heads * layout.size(), p.batch);
+  FloatBuffer packed(chunk * p.kv_heads * layout.size());
+  const int64_t num_q_blocks = CeilDiv(p.q_len, kBlockQ);
+  for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
+    const int64_t nb = std::min(chunk, p.batch - b0);
+    ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
+      PackKv(p, b0 + t / p.kv_heads, t % p.kv_heads, layout, packed.get() + t * layout.size());
+    });
+    ParallelFor(pool, nb * p.q_heads * num_q_blocks, [&](int64_t t) {
+      const int64_t ib = t % num_q_blocks;
+      const int64_t h = (t / num_q_blocks) % p.q_heads;
+      const int64_t bl = t / (num_q_blocks * p.q_heads);
+      const int64_t hkv = h / p.group();
+      TileScratch scratch;
+      FloatBuffer qt(p.head_dim * kBlockQ), ot(p.v_dim * kBlockQ);
+      const KvPack kv = KvPackAt(layout, packed.get() + (bl * p.kv_heads + hkv) * layout.size());
+      ForwardBlock(p, kv, b0 + bl, h, ib, outputs, scratch, qt.get(), ot.get());
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+
+// Packed float32 query side of one (batch, query head); rows at or beyond q_seqlens are zero,
+// with lse_eff = +inf (so that P = 0 there) and Dt = 0.
+//   qt: [nqb][D][BQ]  q_rows: [nqb*BQ][Dp]  dot: [nqb][Dv][BQ]  do_rows: [nqb*BQ][Dvp]
+//   lse_eff, dt: [nqb*BQ]   (Dp, Dvp: head dims rounded up to whole vectors)
+struct QPackLayout {
+  int64_t num_blocks, d, dv, dp, dvp;
+  explicit QPackLayout(const AttentionParams& p)
+      : num_blocks(CeilDiv(p.q_len, kBlockQ)),
+        d(p.head_dim),
+        dv(p.v_dim),
+        dp(RoundUpLanes(p.head_dim)),
+        dvp(RoundUpLanes(p.v_dim)) {}
+  int64_t rows() const { return num_blocks * kBlockQ; }
+  int64_t size() const { return rows() * (d + dp + dv + dvp + 2); }
+};
+
+struct QPack {
+  float* qt;
+  float* q_rows;
+  float* dot;
+  float* do_rows;
+  float* lse_eff;
+  float* dt;
+};
+
+inline QPack QPackAt(const QPackLayout& layout, float* base) {
+  QPack pack;
+  const int64_t n = layout.rows();
+  pack.qt = base;
+  pack.q_rows = pack.qt + n * layout.d;
+  pack.dot = pack.q_rows + n * layout.dp;
+  pack.do_rows = pack.dot + n * layout.dv;
+  pack.lse_eff = pack.do_rows + n * layout.dvp;
+  pack.dt = pack.lse_eff + n;
+  return pack;
+}
+
+inline void PackQ(const AttentionParams& p, const BackwardInputs& in, int64_t b, int64_t h,
+                  const QPackLayout& layout, float* base) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const QPack pack = QPackAt(layout, base);
+  std::fill(base, base + layout.size(), 0.0f);
+  const int64_t ql = RowRanges(p, b).ql;
+  std::vector<float> q_row(d), do_row(dv), out_row(dv);
+  for (int64_t i = 0; i < layout.rows(); ++i) {
+    if (i >= ql) {
+      pack.lse_eff[i] = kInf;
+      continue;
+    }
+    const int64_t token = (b * p.q_len + i) * p.q_heads + h;
+    LoadRow(p.elem, p.q, token * d, d, q_row.data());
+    LoadRow(p.elem, in.dout, token * dv, dv, do_row.data());
+    LoadRow(p.elem, in.out, token * dv, dv, out_row.data());
+    const int64_t ib = i / kBlockQ, lane = i % kBlockQ;
+    for (int64_t x = 0; x < d; ++x) pack.qt[(ib * d + x) * kBlockQ + lane] = q_row[x];
+    std::copy(q_row.begin(), q_row.end(), pack.q_rows + i * layout.dp);
+    for (int64_t x = 0; x < dv; ++x) pack.dot[(ib * dv + x) * kBlockQ + lane] = do_row[x];
+    std::copy(do_row.begin(), do_row.end(), pack.do_rows + i * layout.dvp);
+    float dot = 0.0f;
+    for (int64_t x = 0; x < dv; ++x) dot += do_row[x] * out_row[x];
+    const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
+    pack.dt[i] = dot - in.dlse[stat];
+    const float lse = in.lse[stat];
+    pack.lse_eff[i] = lse == -kInf ? kInf : lse;
+  }
+}
+
+// One tile of the backward pass. dk_block/dv_block ([BK][Dp] / [BK][Dvp] of key block jb) are
+// accumulated when non-null; dqt ([D][BQ] of query block ib) and dbias when dqt is non-null.
+// Never inlined: both backward schemes must run the very same machine code (with contraction
+// into FMAs decided once), or they would differ in the last bit.
+__attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvPack& kv,
+                                                   const QPack& qs, const QPackLayout& ql,
+                                                   int64_t ib, int64_t jb, float* dk_block,
+                                                   float* dv_block, float* dqt, float* dbias,
+                                                   TileScratch& scratch) {
+  const AttentionParams& p = hv.p;
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const int64_t i0 = ib * kBlockQ;
+  const int64_t valid = std::min(hv.rows.ValidRows(i0), p.q_len - i0);
+  int64_t j0, j1;
+  TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+  if (j0 >= j1) return;
+  const int64_t nk = j1 - j0, key_offset = j0 - jb * kBlockK;
+  const int64_t n = nk * kBlockQ;
+  float* st = scratch.scores.get();
+  float* th = p.softcap > 0.0f ? scratch.tanh.get() : nullptr;
+  float* pr = scratch.probs.get();
+  float* ds = scratch.dprobs.get();
+  float* drop = scratch.drop.get();
+  ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th);
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int v = 0; v < kQVectors; ++v) {
+      const int64_t x = r * kBlockQ + v * kLanes;
+      Store(pr + x, Exp(Load(st + x) - Load(qs.lse_eff + i0 + v * kLanes)));
+    }
+  }
+  if (hv.dropout()) DropoutTile(hv, i0, valid, j0, j1, drop);
+  // dP^T = V dO^T
+  GemmLanes<1>(nk, dv, kv.vt + jb * kBlockK * dv + key_offset, kBlockK, qs.dot + ib * dv * kBlockQ,
+               kBlockQ, kQVectors, ds, kBlockQ, false);
+  if (dv_block != nullptr) {
+    // dV += (P * drop) dO; st is free now and holds P * drop.
+    const float* pd = pr;
+    if (hv.dropout()) {
+      for (int64_t x = 0; x < n; x += kLanes) Store(st + x, Load(pr + x) * Load(drop + x));
+      pd = st;
+    }
+    GemmLanes<kBlockQ>(nk, kBlockQ, pd, 1, qs.do_rows + i0 * ql.dvp, ql.dvp, ql.dvp / kLanes,
+                       dv_block + key_offset * ql.dvp, ql.dvp, true);
+  }
+  // dS = P * (dP * drop - Dt)
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int v = 0; v < kQVectors; ++v) {
+      const int64_t x = r * kBlockQ + v * kLanes;
+      VecF dp = Load(ds + x);
+      if (hv.dropout()) dp *= Load(drop + x);
+      Store(ds + x, Load(pr + x) * (dp - Load(qs.dt + i0 + v * kLanes)));
+    }
+  }
+  if (dqt != nullptr && dbias != nullptr) {
+    for (int64_t lane = 0; lane < valid; ++lane) {
+      float* row = dbias + (i0 + lane) * p.kv_len;
+      for (int64_t r = 0; r < nk; ++r) row[j0 + r] = ds[r * kBlockQ + lane];
+    }
+  }
+  if (th != nullptr) {
+    for (int64_t x = 0; x < n; x += kLanes) {
+      VecF t = Load(th + x);
+      Store(ds + x, Load(ds + x) * (1.0f - t * t));
+    }
+  }
+  if (dk_block != nullptr) {
+    GemmLanes<kBlockQ>(nk, kBlockQ, ds, 1, qs.q_rows + i0 * ql.dp, ql.dp, ql.dp / kLanes,
+                       dk_block + key_offset * ql.dp, ql.dp, true);
+  }
+  if (dqt != nullptr) {
+    GemmLanes<1>(d, nk, kv.k_rows + j0 * d, d, ds, kBlockQ, kQVectors, dqt, kBlockQ, true);
+  }
+}
+
+// Writes rows [j0, j1) of dk/dv (kv head hkv) from float32 accumulators, times `scale` for dk.
+inline void StoreKvGrads(const AttentionParams& p, const BackwardOutputs& outputs, int64_t b,
+                         int64_t hkv, int64_t j0, int64_t j1, const float* dk_rows,
+                         int64_t ldk, const float* dv_rows, int64_t ldv) {
+  std::vector<float> row(p.head_dim);
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
+    for (int64_t x = 0; x < p.head_dim; ++x) row[x] = dk_rows[(j - j0) * ldk + x] * p.scale;
+    StoreRow(p.elem, outputs.dk, token * p.head_dim, p.head_dim, row.data());
+    StoreRow(p.elem, outputs.dv, token * p.v_dim, p.v_dim, dv_rows + (j - j0) * ldv);
+  }
+}
+
+// Writes rows [i0, i1) of dq (query head h) from dQ^T blocks ([D][BQ] each), times scale.
+inline void StoreQGrads(const AttentionParams& p, const BackwardOutputs& outputs, int64_t b,
+                        int64_t h, int64_t i0, int64_t i1, const float* dqt_blocks) {
+  std::vector<float> row(p.head_dim);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* blk = dqt_blocks + ((i - i0) / kBlockQ) * p.head_dim * kBlockQ;
+    const int64_t lane = (i - i0) % kBlockQ;
+    for (int64_t x = 0; x < p.head_dim; ++x) row[x] = blk[x * kBlockQ + lane] * p.scale;
+    StoreRow(p.elem, outputs.dq, ((b * p.q_len + i) * p.q_heads + h) * p.head_dim, p.head_dim,
+             row.data());
+  }
+}
+
+// Backward: pack K/V and Q/dO sides, then either
+//  - one task per (batch, kv head) that owns dK/dV of its kv head and dQ of its query heads
+//    (kv blocks outer; query heads, then query blocks inner), or, when there are fewer of those
+//    than threads,
+//  - two passes: dK/dV per (batch, kv head, kv block), then dQ per (batch, head, query block).
+// Both visit the same tiles and accumulate every output in the same order (dK/dV: query head,
+// then query block; dQ: key block), so they give bitwise identical results.
+inline void FlashBackward(const AttentionParams& p, const BackwardInputs& in,
+                          const BackwardOutputs& outputs, ffi::ThreadPool* pool) {
+  if (p.batch == 0) return;
+  const int64_t d = p.head_dim, group = p.group();
+  const KvPackLayout kv_layout(p, /*bwd=*/true);
+  const QPackLayout q_layout(p);
+  const int64_t nqb = q_layout.num_blocks, nkb = kv_layout.num_blocks;
+  const int64_t dqt_size = nqb * d * kBlockQ;  // per query head
+  const int64_t per_batch =
+      p.kv_heads * kv_layout.size() + p.q_heads * (q_layout.size() + dqt_size);
+  const int64_t chunk = BatchChunk(per_batch, p.batch);
+  FloatBuffer kv_packed(chunk * p.kv_heads * kv_layout.size());
+  FloatBuffer q_packed(chunk * p.q_heads * q_layout.size());
+  FloatBuffer dqt_all(chunk * p.q_heads * dqt_size);
+  const int64_t threads = pool != nullptr ? pool->num_threads() : 0;
+  const int64_t dp = q_layout.dp, dvp = q_layout.dvp;
+
+  for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
+    const int64_t nb = std::min(chunk, p.batch - b0);
+    ParallelFor(pool, nb * (p.kv_heads + p.q_heads), [&](int64_t t) {
+      if (t < nb * p.kv_heads) {
+        PackKv(p, b0 + t / p.kv_heads, t % p.kv_heads, kv_layout,
+               kv_packed.get() + t * kv_layout.size());
+      } else {
+        t -= nb * p.kv_heads;
+        PackQ(p, in, b0 + t / p.q_heads, t % p.q_heads, q_layout,
+              q_packed.get() + t * q_layout.size());
+      }
+    });
+    auto kv_pack = [&](int64_t bl, int64_t hkv) {
+      return KvPackAt(kv_layout, kv_packed.get() + (bl * p.kv_heads + hkv) * kv_layout.size());
+    };
+    auto q_pack = [&](int64_t bl, int64_t h) {
+      return QPackAt(q_layout, q_packed.get() + (bl * p.q_heads + h) * q_layout.size());
+    };
+    auto dbias_head = [&](int64_t b, int64_t h) {
+      return outputs.dbias != nullptr ? outputs.dbias + (b * p.q_heads + h) * p.q_len * p.kv_len
+                                      : nullptr;
+    };
+
+    if (nb * p.kv_heads >= threads) {
+      ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
+        const int64_t bl = t / p.kv_heads, hkv = t % p.kv_heads, b = b0 + bl;
+        const KvPack kv = kv_pack(bl, hkv);
+        TileScratch scratch;
+        FloatBuffer dk_block(kBlockK * dp), dv_block(kBlockK * dvp);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = hkv * group + g;
+          float* dqt = dqt_all.get() + (bl * p.q_heads + h) * dqt_size;
+          std::fill(dqt, dqt + dqt_size, 0.0f);
+          if (float* db = dbias_head(b, h)) std::fill(db, db + p.q_len * p.kv_len, 0.0f);
+        }
+        for (int64_t jb = 0; jb < nkb; ++jb) {
+          std::fill(dk_block.get(), dk_block.get() + kBlockK * dp, 0.0f);
+          std::fill(dv_block.get(), dv_block.get() + kBlockK * dvp, 0.0f);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = hkv * group + g;
+            const HeadView hv(p, b, h);
+            const QPack qs = q_pack(bl, h);
+            float* dqt = dqt_all.get() + (bl * p.q_heads + h) * dqt_size;
+            for (int64_t ib = 0; ib < nqb; ++ib) {
+              BackwardTile(hv, kv, qs, q_layout, ib, jb, dk_block.get(), dv_block.get(),
+                           dqt + ib * d * kBlockQ, dbias_head(b, h), scratch);
+            }
+          }
+          const int64_t j0 = jb * kBlockK, j1 = std::min(j0 + kBlockK, p.kv_len);
+          StoreKvGrads(p, outputs, b, hkv, j0, j1, dk_block.get(), dp, dv_block.get(), dvp);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = hkv * group + g;
+          StoreQGrads(p, outputs, b, h, 0, p.q_len,
+                      dqt_all.get() + (bl * p.q_heads + h) * dqt_size);
+        }
+      });
+    } else {
+      // Pass 1: dK/dV per (batch, kv head, kv block).
+      ParallelFor(pool, nb * p.kv_heads * nkb, [&](int64_t t) {
+        const int64_t jb = t % nkb, hkv = (t / nkb) % p.kv_heads, bl = t / (nkb * p.kv_heads);
+        const int64_t b = b0 + bl;
+        const KvPack kv = kv_pack(bl, hkv);
+        TileScratch scratch;
+        FloatBuffer dk_block(kBlockK * dp), dv_block(kBlockK * dvp);
+        std::fill(dk_block.get(), dk_block.get() + kBlockK * dp, 0.0f);
+        std::fill(dv_block.get(), dv_block.get() + kBlockK * dvp, 0.0f);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = hkv * group + g;
+          const HeadView hv(p, b, h);
+          const QPack qs = q_pack(bl, h);
+          for (int64_t ib = 0; ib < nqb; ++ib) {
+            BackwardTile(hv, kv, qs, q_layout, ib, jb, dk_block.get(), dv_block.get(), nullptr,
+                         nullptr, scratch);
+          }
+        }
+        const int64_t j0 = jb * kBlockK, j1 = std::min(j0 + kBlockK, p.kv_len);
+        StoreKvGrads(p, outputs, b, hkv, j0, j1, dk_block.get(), dp, dv_block.get(), dvp);
+      });
+      // Pass 2: dQ (and dbias) per (batch, query head, query block).
+      ParallelFor(pool, nb * p.q_heads * nqb, [&](int64_t t) {
+        const int64_t ib = t % nqb, h = (t / nqb) % p.q_heads, bl = t / (nqb * p.q_heads);
+        const int64_t b = b0 + bl;
+        const KvPack kv = kv_pack(bl, h / group);
+        const QPack qs = q_pack(bl, h);
+        const HeadView hv(p, b, h);
+        TileScratch scratch;
+        float* dqt = dqt_all.get() + (bl * p.q_heads + h) * dqt_size + ib * d * kBlockQ;
+        std::fill(dqt, dqt + d * kBlockQ, 0.0f);
+        const int64_t i0 = ib * kBlockQ, i1 = std::min(i0 + kBlockQ, p.q_len);
+        float* db = dbias_head(b, h);
+        if (db != nullptr) std::fill(db + i0 * p.kv_len, db + i1 * p.kv_len, 0.0f);
+        for (int64_t jb = 0; jb < nkb; ++jb) {
+          BackwardTile(hv, kv, qs, q_layout, ib, jb, nullptr, nullptr, dqt, db, scratch);
+        }
+        StoreQGrads(p, outputs, b, h, i0, i1, dqt);
+      });
+    }
+  }
+}
+
+}  // namespace attnaux::cpu
+
+#endif  // ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_

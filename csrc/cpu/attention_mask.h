@@ -1,0 +1,198 @@
+// What a tile of the CPU flash kernels may see (docs/kernel_abi.md, visible()): the key band of
+// each query row (lengths, causal, window), the per-head view of bias, mask, segment ids, sink and
+// dropout, the keys of a tile, its scores with every rule applied, and its dropout factors.
+#ifndef ATTNAUX_CSRC_CPU_ATTENTION_MASK_H_
+#define ATTNAUX_CSRC_CPU_ATTENTION_MASK_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "common/philox.h"
+#include "cpu/attention_tile.h"
+#include "cpu/cpu_gemm.h"
+#include "cpu/cpu_simd.h"
+
+namespace attnaux::cpu {
+
+// Visible key range of each query row of one batch element (positions only; mask and segments
+// are checked per element): keys [Lo(i), Hi(i)) for rows i < ql, see the ABI's visible().
+struct RowRanges {
+  int64_t ql = 0, kl = 0, off = 0;
+  int32_t causal = 0;
+  int64_t window_left = -1, window_right = -1;
+
+  RowRanges(const AttentionParams& p, int64_t b) {
+    ql = std::clamp<int64_t>(p.q_seqlens[b], 0, p.q_len);
+    kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
+    off = p.causal == 2 ? kl - ql : 0;
+    causal = p.causal;
+    window_left = p.window_left;
+    window_right = p.window_right;
+  }
+  int64_t Lo(int64_t i) const {
+    return window_left >= 0 ? std::clamp<int64_t>(i + off - window_left, 0, kl) : 0;
+  }
+  int64_t Hi(int64_t i) const {
+    int64_t hi = kl;
+    if (causal != 0) hi = std::min(hi, i + off + 1);
+    if (window_right >= 0) hi = std::min(hi, i + off + window_right + 1);
+    return std::max<int64_t>(hi, 0);
+  }
+  // Query rows of block ib that are valid (i < ql): [i0, i0 + count).
+  int64_t ValidRows(int64_t i0) const { return std::clamp<int64_t>(ql - i0, 0, kBlockQ); }
+};
+
+// Per (batch, query head) view of the optional inputs.
+struct HeadView {
+  const AttentionParams& p;
+  int64_t b, h;
+  RowRanges rows;
+  const float* bias = nullptr;  // bias at (b|0, h|0, 0, 0)
+  const bool* mask = nullptr;
+  const int32_t* q_seg = nullptr;
+  const int32_t* kv_seg = nullptr;
+  float sink = -kInf;
+  bool has_sink = false;
+  uint32_t drop_threshold = 0;
+  float drop_scale = 1.0f;
+
+  HeadView(const AttentionParams& params, int64_t batch, int64_t head)
+      : p(params), b(batch), h(head), rows(params, batch) {
+    if (p.bias != nullptr) bias = p.bias + b * p.bias_stride[0] + h * p.bias_stride[1];
+    if (p.mask != nullptr) mask = p.mask + b * p.mask_stride[0] + h * p.mask_stride[1];
+    if (p.q_segment_ids != nullptr) {
+      q_seg = p.q_segment_ids + b * p.q_len;
+      kv_seg = p.kv_segment_ids + b * p.kv_len;
+    }
+    if (p.sink != nullptr) {
+      sink = p.sink[h];
+      has_sink = true;
+    }
+    if (p.rng_state != nullptr) {
+      drop_threshold = DropoutThreshold(p.dropout_rate);
+      drop_scale = 1.0f / (1.0f - p.dropout_rate);
+    }
+  }
+  bool dropout() const { return p.rng_state != nullptr; }
+};
+
+// The keys of block jb that query block ib (starting at row i0, `valid` rows) may see:
+// [*j0, *j1). Empty when *j0 >= *j1. Forward and both backward schemes use this one predicate,
+// so they visit the same tiles.
+inline void TileKeys(const RowRanges& rows, int64_t i0, int64_t valid, int64_t jb, int64_t* j0,
+                     int64_t* j1) {
+  if (valid <= 0) {
+    *j0 = *j1 = 0;
+    return;
+  }
+  *j0 = std::max(jb * kBlockK, rows.Lo(i0));
+  *j1 = std::min(jb * kBlockK + kBlockK, rows.Hi(i0 + valid - 1));
+}
+
+// Scores of keys [j0, j1) x the query block in lanes: st[(j - j0) * BQ + lane] = s(i0 + lane, j)
+// with scale, softcap, bias and visibility applied (invisible: -inf). Lanes >= valid are left as
+// computed from zero queries (finite) unless the tile needs masking.
+inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
+                      const float* kt_block, const float* qt, float* st, float* tanh_out) {
+  const AttentionParams& p = hv.p;
+  const int64_t nk = j1 - j0;
+  const int64_t jb_start = (j0 / kBlockK) * kBlockK;
+  GemmLanes<1>(nk, p.head_dim, kt_block + (j0 - jb_start), kBlockK, qt, kBlockQ, kQVectors, st,
+               kBlockQ, false);
+  const VecF scale = Splat(p.scale);
+  if (p.softcap > 0.0f) {
+    const VecF cap = Splat(p.softcap), inv_cap = Splat(1.0f / p.softcap);
+    for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
+      VecF t = Tanh(Load(st + x) * scale * inv_cap);
+      if (tanh_out != nullptr) Store(tanh_out + x, t);
+      Store(st + x, cap * t);
+    }
+  } else {
+    for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) Store(st + x, Load(st + x) * scale);
+  }
+  const RowRanges& rows = hv.rows;
+  const bool positions_ok =
+      j0 >= rows.Lo(i0 + valid - 1) && j1 <= rows.Hi(i0);
+  const bool needs_mask = hv.mask != nullptr || hv.q_seg != nullptr || !positions_ok;
+  if (!needs_mask) {
+    if (hv.bias == nullptr) return;
+    for (int64_t lane = 0; lane < valid; ++lane) {
+      const float* brow = hv.bias + (i0 + lane) * p.bias_stride[2];
+      for (int64_t r = 0; r < nk; ++r) st[r * kBlockQ + lane] += brow[(j0 + r) * p.bias_stride[3]];
+    }
+    return;
+  }
+  if (hv.mask == nullptr && hv.q_seg == nullptr) {
+    // Positions only (causal diagonal, window edge, valid lengths): the lanes that see key j form
+    // one interval, so the select is a vector compare against the lane index.
+    if (hv.bias != nullptr) {
+      for (int64_t lane = 0; lane < valid; ++lane) {
+        const float* brow = hv.bias + (i0 + lane) * p.bias_stride[2];
+        for (int64_t r = 0; r < nk; ++r) {
+          st[r * kBlockQ + lane] += brow[(j0 + r) * p.bias_stride[3]];
+        }
+      }
+    }
+    VecI lane_index;
+    for (int x = 0; x < kLanes; ++x) lane_index[x] = x;
+    for (int64_t r = 0; r < nk; ++r) {
+      const int64_t j = j0 + r;
+      int64_t first = i0, end = i0 + valid;  // visible query rows [first, end)
+      if (rows.causal != 0) first = std::max(first, j - rows.off);
+      if (rows.window_right >= 0) first = std::max(first, j - rows.off - rows.window_right);
+      if (rows.window_left >= 0) end = std::min(end, j - rows.off + rows.window_left + 1);
+      const int32_t lane_first = static_cast<int32_t>(std::clamp<int64_t>(first - i0, 0, kBlockQ));
+      const int32_t lane_end = static_cast<int32_t>(std::clamp<int64_t>(end - i0, 0, kBlockQ));
+      for (int v = 0; v < kQVectors; ++v) {
+        VecI lanes = lane_index + v * kLanes;
+        float* sp = st + r * kBlockQ + v * kLanes;
+        Store(sp, (lanes >= lane_first) & (lanes < lane_end) ? Load(sp) : Splat(-kInf));
+      }
+    }
+    return;
+  }
+  for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+    const int64_t i = i0 + lane;
+    if (lane >= valid) {
+      for (int64_t r = 0; r < nk; ++r) st[r * kBlockQ + lane] = -kInf;
+      continue;
+    }
+    const int64_t lo = rows.Lo(i), hi = rows.Hi(i);
+    const float* brow = hv.bias != nullptr ? hv.bias + i * p.bias_stride[2] : nullptr;
+    const bool* mrow = hv.mask != nullptr ? hv.mask + i * p.mask_stride[2] : nullptr;
+    const int32_t segment = hv.q_seg != nullptr ? hv.q_seg[i] : 0;
+    for (int64_t r = 0; r < nk; ++r) {
+      const int64_t j = j0 + r;
+      bool visible = j >= lo && j < hi;
+      if (mrow != nullptr) visible = visible && mrow[j * p.mask_stride[3]];
+      if (hv.kv_seg != nullptr) visible = visible && hv.kv_seg[j] == segment;
+      float s = st[r * kBlockQ + lane];
+      if (brow != nullptr && visible) s += brow[j * p.bias_stride[3]];
+      st[r * kBlockQ + lane] = visible ? s : -kInf;
+    }
+  }
+}
+
+// Dropout factors of the tile: keep / (1 - rate), or 0. Lanes >= valid get 0.
+inline void DropoutTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
+                        float* drop) {
+  const AttentionParams& p = hv.p;
+  const int64_t nk = j1 - j0;
+  std::fill(drop, drop + nk * kBlockQ, 0.0f);
+  for (int64_t lane = 0; lane < valid; ++lane) {
+    const uint64_t row_base =
+        static_cast<uint64_t>(((hv.b * p.q_heads + hv.h) * p.q_len + i0 + lane) * p.kv_len);
+    uint64_t e = row_base + j0;
+    for (int64_t r = 0; r < nk;) {
+      const PhiloxWords words = DropoutWords(p.rng_state, e);
+      for (uint64_t w = e & 3u; w < 4 && r < nk; ++w, ++r, ++e) {
+        drop[r * kBlockQ + lane] = words[w] >= hv.drop_threshold ? hv.drop_scale : 0.0f;
+      }
+    }
+  }
+}
+
+}  // namespace attnaux::cpu
+
+#endif  // ATTNAUX_CSRC_CPU_ATTENTION_MASK_H_

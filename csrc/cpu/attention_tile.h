@@ -1,0 +1,155 @@
+// The building blocks of the CPU attention kernels' tiles (attention_cpu.h, probs_cpu.h,
+// small_seq_cpu.h): tile sizes, recycled float32 scratch, row conversion from/to the input dtype,
+// and the work space of one tile.
+#ifndef ATTNAUX_CSRC_CPU_ATTENTION_TILE_H_
+#define ATTNAUX_CSRC_CPU_ATTENTION_TILE_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "common/attention_params.h"
+#include "cpu/cpu_simd.h"
+
+namespace attnaux::cpu {
+
+inline constexpr int64_t kBlockQ = 64;  // query rows per tile (vector lanes)
+inline constexpr int64_t kBlockK = 64;  // keys per tile
+inline constexpr int64_t kQVectors = kBlockQ / kLanes;
+static_assert(kBlockQ % kLanes == 0, "a query block must be whole vectors");
+
+inline constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t RoundUpLanes(int64_t n) { return CeilDiv(n, kLanes) * kLanes; }
+
+// Large scratch buffers are recycled between calls: a fresh multi-megabyte allocation is fresh
+// pages from the kernel, and faulting them in cost ~10% of a call. Contents are never reused
+// (every reader writes first), so recycling cannot change results.
+class BufferCache {
+ public:
+  static BufferCache& Get() {
+    static BufferCache* cache = new BufferCache();  // never destroyed: safe at exit
+    return *cache;
+  }
+  // A buffer of at least `bytes` (a multiple of 64); *capacity gets its real size.
+  float* Take(size_t bytes, size_t* capacity) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      size_t best = entries_.size();
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        if (entries_[i].bytes >= bytes && entries_[i].bytes <= 2 * bytes &&
+            (best == entries_.size() || entries_[i].bytes < entries_[best].bytes)) {
+          best = i;
+        }
+      }
+      if (best != entries_.size()) {
+        Entry e = entries_[best];
+        entries_.erase(entries_.begin() + best);
+        cached_bytes_ -= e.bytes;
+        *capacity = e.bytes;
+        return e.data;
+      }
+    }
+    *capacity = bytes;
+    return static_cast<float*>(std::aligned_alloc(64, bytes));
+  }
+  void Give(float* data, size_t bytes) {
+    if (data == nullptr) return;
+    if (bytes >= kMinCachedBytes) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (entries_.size() < kMaxEntries && cached_bytes_ + bytes <= kMaxCachedBytes) {
+        entries_.push_back({data, bytes});
+        cached_bytes_ += bytes;
+        return;
+      }
+    }
+    std::free(data);
+  }
+
+ private:
+  static constexpr size_t kMinCachedBytes = size_t{1} << 20;
+  static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
+  static constexpr size_t kMaxEntries = 8;
+  struct Entry {
+    float* data;
+    size_t bytes;
+  };
+  std::mutex mu_;
+  std::vector<Entry> entries_;
+  size_t cached_bytes_ = 0;
+};
+
+// 64-byte aligned float scratch, uninitialised.
+class FloatBuffer {
+ public:
+  FloatBuffer() = default;
+  explicit FloatBuffer(int64_t n) {
+    size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
+    bytes = (bytes + 63) / 64 * 64;
+    data_ = BufferCache::Get().Take(bytes, &capacity_);
+  }
+  FloatBuffer(const FloatBuffer&) = delete;
+  FloatBuffer& operator=(const FloatBuffer&) = delete;
+  ~FloatBuffer() { BufferCache::Get().Give(data_, capacity_); }
+  float* get() const { return data_; }
+
+ private:
+  float* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+inline void LoadRow(Elem elem, const void* base, int64_t offset, int64_t n, float* dst) {
+  switch (elem) {
+    case Elem::kF32:
+      std::memcpy(dst, static_cast<const float*>(base) + offset, n * sizeof(float));
+      break;
+    case Elem::kBF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
+      break;
+    }
+    case Elem::kF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = HalfToFloat(src[i]);
+      break;
+    }
+  }
+}
+
+inline void StoreRow(Elem elem, void* base, int64_t offset, int64_t n, const float* src) {
+  switch (elem) {
+    case Elem::kF32:
+      std::memcpy(static_cast<float*>(base) + offset, src, n * sizeof(float));
+      break;
+    case Elem::kBF16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+      break;
+    }
+    case Elem::kF16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = FloatToHalf(src[i]);
+      break;
+    }
+  }
+}
+
+// Work space of one tile (kBlockK x kBlockQ each).
+struct TileScratch {
+  FloatBuffer scores, tanh, probs, dprobs, drop;
+  TileScratch()
+      : scores(kBlockK * kBlockQ),
+        tanh(kBlockK * kBlockQ),
+        probs(kBlockK * kBlockQ),
+        dprobs(kBlockK * kBlockQ),
+        drop(kBlockK * kBlockQ) {}
+};
+
+}  // namespace attnaux::cpu
+
+#endif  // ATTNAUX_CSRC_CPU_ATTENTION_TILE_H_

@@ -1,0 +1,130 @@
+// Portable SIMD helpers for the CPU kernels: one float vector type (GCC vector extensions, so any
+// -march compiles: AVX-512 gives 16 lanes, AVX/AVX2 8, anything else 4), vectorised exp and tanh,
+// and scalar bf16/f16 <-> float conversion by bit manipulation.
+#ifndef ATTNAUX_CSRC_CPU_CPU_SIMD_H_
+#define ATTNAUX_CSRC_CPU_CPU_SIMD_H_
+
+#include <cstdint>
+#include <cstring>
+
+namespace attnaux::cpu {
+
+#if defined(__AVX512F__)
+inline constexpr int kLanes = 16;
+#elif defined(__AVX__)
+inline constexpr int kLanes = 8;
+#else
+inline constexpr int kLanes = 4;
+#endif
+
+typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// memcpy compiles to one unaligned vector move and is alias-safe.
+inline VecF Load(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+inline VecF Splat(float x) { return VecF{} + x; }
+inline VecF Max(VecF a, VecF b) { return a > b ? a : b; }
+
+// exp(x) to about 1 ulp (Cody-Waite reduction + Cephes' degree-6 polynomial). Exactly 0 for
+// x < ln(2^-126) (flushes what would be subnormal), in particular for -inf; NaN stays NaN. Only
+// used for x <= ~88, which is all attention needs (arguments are differences to a maximum).
+inline VecF Exp(VecF x) {
+  const VecF kHi = Splat(88.3762626647949f);
+  const VecF kLo = Splat(-87.3365447505531f);
+  const float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer.
+  VecF xc = x > kHi ? kHi : x;
+  xc = xc < kLo ? kLo : xc;
+  VecF t = xc * 1.44269504088896341f + kMagic;
+  VecF n = t - kMagic;
+  VecF r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  VecF poly = Splat(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * (r * r) + r + 1.0f;
+  VecI magic_bits = (VecI)Splat(kMagic);
+  VecI n_int = (VecI)t - magic_bits;
+  VecF pow2 = (VecF)((n_int + 127) << 23);
+  VecF result = poly * pow2;
+  return x < kLo ? VecF{} : result;
+}
+
+// tanh(x): an odd Taylor polynomial near 0 (where (1 - e) / (1 + e) loses relative accuracy),
+// else (1 - e) / (1 + e) with e = exp(-2|x|); NaN stays NaN.
+inline VecF Tanh(VecF x) {
+  VecI sign = (VecI)x & (int32_t)0x80000000;
+  VecF a = (VecF)((VecI)x & 0x7fffffff);
+  VecF e = Exp(a * -2.0f);
+  VecF big = (1.0f - e) / (1.0f + e);
+  VecF a2 = a * a;
+  VecF small = a + a * a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315)));
+  VecF mag = a < 0.0625f ? small : big;
+  return (VecF)((VecI)mag | sign);
+}
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float Bf16ToFloat(uint16_t h) { return BitsToFloat(uint32_t{h} << 16); }
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float HalfToFloat(uint16_t h) {
+  uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return BitsToFloat(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-24 is exact in float.
+    float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return BitsToFloat(sign | FloatToBits(magnitude));
+  }
+  return BitsToFloat(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+// Round to nearest even, overflow to inf, NaN stays NaN (F. Giesen's float_to_half_fast3_rtne).
+inline uint16_t FloatToHalf(float f) {
+  uint32_t u = FloatToBits(f);
+  uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint32_t out;
+  if (u >= (127u + 16u) << 23) {
+    out = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  } else if (u < (113u << 23)) {
+    // Subnormal or zero half: let the FPU round by adding 0.5 (whose ulp is 2^-24).
+    float denorm = BitsToFloat(u) + 0.5f;
+    out = FloatToBits(denorm) - FloatToBits(0.5f);
+  } else {
+    uint32_t mantissa_odd = (u >> 13) & 1u;
+    u += (uint32_t(15 - 127) << 23) + 0xfffu;
+    u += mantissa_odd;
+    out = u >> 13;
+  }
+  return static_cast<uint16_t>(out | (sign >> 16));
+}
+
+}  // namespace attnaux::cpu
+
+#endif  // ATTNAUX_CSRC_CPU_CPU_SIMD_H_

@@ -1,0 +1,207 @@
+// XLA FFI handlers of the `flash` primitive on CPU: validate, then call attention_cpu.h.
+#include "cpu/flash_cpu.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/attention_validate.h"
+#include "common/ffi_shapes.h"
+#include "cpu/attention_cpu.h"
+#include "cpu/cpu_memory.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace attnaux::cpu {
+namespace {
+
+using attnaux::Absent;
+using attnaux::DtypeName;
+using attnaux::ShapeError;
+
+constexpr char kTarget[] = "attnaux_flash";
+
+#define ATTNAUX_RETURN_IF_ERROR(expr)                    \
+  do {                                                   \
+    ffi::Error attnaux_error_ = (expr);                  \
+    if (attnaux_error_.failure()) return attnaux_error_; \
+  } while (0)
+
+ffi::Error ExpectShape(const std::string& name, attnaux::Dims dims,
+                       const std::vector<int64_t>& expected) {
+  return attnaux::ExpectShape(kTarget, name, dims, expected);
+}
+
+// Validates inputs 0..10 and the attributes shared by forward and backward; fills params.
+ffi::Error BuildParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
+                       ffi::Buffer<ffi::S32> q_seqlens, ffi::Buffer<ffi::S32> kv_seqlens,
+                       ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
+                       ffi::Buffer<ffi::F32> sink, ffi::Buffer<ffi::U32> rng_state, float scale,
+                       float softcap, int32_t causal, int64_t window_left, int64_t window_right,
+                       float dropout_rate, AttentionParams* p) {
+  return ValidateAttentionInputs(kTarget, ValidationRules::kCpu,
+                                 {q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                  kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                  window_left, window_right, dropout_rate},
+                                 p);
+}
+
+ffi::Error CheckOutput(const std::string& name, ffi::DataType got_dtype, ffi::DataType dtype,
+                       attnaux::Dims dims, const std::vector<int64_t>& expected) {
+  if (got_dtype != dtype) {
+    return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + name + " must be " +
+                                       DtypeName(dtype) + ", got " + DtypeName(got_dtype) + ".");
+  }
+  return ExpectShape(name, dims, expected);
+}
+
+ffi::Error FlashForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
+                            ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+                            ffi::Buffer<ffi::S32> kv_seqlens,
+                            ffi::Buffer<ffi::S32> q_segment_ids,
+                            ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+                            ffi::Buffer<ffi::U32> rng_state, float scale, float softcap,
+                            int32_t causal, int64_t window_left, int64_t window_right,
+                            float dropout_rate, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            ffi::Result<ffi::Buffer<ffi::F32>> max) {
+  AttentionParams p;
+  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                      window_left, window_right, dropout_rate, &p));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out->element_type(), q.element_type(),
+                                      out->dimensions(),
+                                      {p.batch, p.q_len, p.q_heads, p.v_dim}));
+  ATTNAUX_RETURN_IF_ERROR(
+      ExpectShape("lse (output)", lse->dimensions(), {p.batch, p.q_heads, p.q_len}));
+  ATTNAUX_RETURN_IF_ERROR(
+      ExpectShape("max (output)", max->dimensions(), {p.batch, p.q_heads, p.q_len}));
+  // A fresh output buffer: back it with huge pages (if large) before the kernel's first touch.
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
+  ForwardOutputs outputs;
+  outputs.out = out->untyped_data();
+  outputs.lse = lse->typed_data();
+  outputs.max = max->typed_data();
+  FlashForward(p, outputs, &pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashBackwardImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+    ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+    ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+    ffi::Buffer<ffi::U32> rng_state, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, float scale, float softcap,
+    int32_t causal, int64_t window_left, int64_t window_right, float dropout_rate,
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::Buffer<ffi::F32>> dbias) {
+  AttentionParams p;
+  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                      window_left, window_right, dropout_rate, &p));
+  const ffi::DataType dtype = q.element_type();
+  const std::vector<int64_t> o_shape = {p.batch, p.q_len, p.q_heads, p.v_dim};
+  const std::vector<int64_t> stat_shape = {p.batch, p.q_heads, p.q_len};
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out.element_type(), dtype, out.dimensions(), o_shape));
+  ATTNAUX_RETURN_IF_ERROR(
+      CheckOutput("dout", dout.element_type(), dtype, dout.dimensions(), o_shape));
+  ATTNAUX_RETURN_IF_ERROR(ExpectShape("lse", lse.dimensions(), stat_shape));
+  ATTNAUX_RETURN_IF_ERROR(ExpectShape("dlse", dlse.dimensions(), stat_shape));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dq (output)", dq->element_type(), dtype,
+                                      dq->dimensions(),
+                                      {p.batch, p.q_len, p.q_heads, p.head_dim}));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dk (output)", dk->element_type(), dtype,
+                                      dk->dimensions(),
+                                      {p.batch, p.kv_len, p.kv_heads, p.head_dim}));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dv (output)", dv->element_type(), dtype,
+                                      dv->dimensions(),
+                                      {p.batch, p.kv_len, p.kv_heads, p.v_dim}));
+  if (p.bias != nullptr) {
+    ATTNAUX_RETURN_IF_ERROR(ExpectShape("dbias (output)", dbias->dimensions(),
+                                        {p.batch, p.q_heads, p.q_len, p.kv_len}));
+  } else if (!Absent(dbias->dimensions())) {
+    return ShapeError(kTarget, "dbias (output)", "(0,) when no bias is given",
+                      dbias->dimensions());
+  }
+  BackwardInputs inputs;
+  inputs.out = out.untyped_data();
+  inputs.dout = dout.untyped_data();
+  inputs.lse = lse.typed_data();
+  inputs.dlse = dlse.typed_data();
+  // Fresh output buffers: back the large ones with huge pages before the kernel's first touch.
+  AdviseHugePages(dq->untyped_data(), dq->size_bytes());
+  AdviseHugePages(dk->untyped_data(), dk->size_bytes());
+  AdviseHugePages(dv->untyped_data(), dv->size_bytes());
+  if (p.bias != nullptr) AdviseHugePages(dbias->untyped_data(), dbias->size_bytes());
+  BackwardOutputs outputs;
+  outputs.dq = dq->untyped_data();
+  outputs.dk = dk->untyped_data();
+  outputs.dv = dv->untyped_data();
+  outputs.dbias = p.bias != nullptr ? dbias->typed_data() : nullptr;
+  FlashBackward(p, inputs, outputs, &pool);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace attnaux::cpu
+
+// attnaux_flash_fwd: out, lse and max of blocked flash attention (attention_cpu.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AttnauxFlashFwdCpu, attnaux::cpu::FlashForwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()             // XLA's intra-op thread pool
+        .Arg<ffi::AnyBuffer>()              // q [B, Sq, Hq, D]
+        .Arg<ffi::AnyBuffer>()              // k [B, Skv, Hkv, D]
+        .Arg<ffi::AnyBuffer>()              // v [B, Skv, Hkv, Dv]
+        .Arg<ffi::Buffer<ffi::F32>>()       // bias [B|1, Hq|1, Sq|1, Skv|1] or (0,)
+        .Arg<ffi::Buffer<ffi::PRED>>()      // mask, same broadcasting, True = may attend
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_seqlens [B]
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_seqlens [B]
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_segment_ids [B, Sq] or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_segment_ids [B, Skv] or (0,)
+        .Arg<ffi::Buffer<ffi::F32>>()       // sink [Hq] or (0,)
+        .Arg<ffi::Buffer<ffi::U32>>()       // rng_state [4] iff dropout_rate > 0, else (0,)
+        .Attr<float>("scale")               // multiplies q.k
+        .Attr<float>("softcap")             // 0 = off
+        .Attr<int32_t>("causal")            // 0 none, 1 top-left, 2 bottom-right
+        .Attr<int64_t>("window_left")       // -1 = unbounded
+        .Attr<int64_t>("window_right")      // -1 = unbounded
+        .Attr<float>("dropout_rate")        // in [0, 1)
+        .Ret<ffi::AnyBuffer>()              // out [B, Sq, Hq, Dv]
+        .Ret<ffi::Buffer<ffi::F32>>()       // lse [B, Hq, Sq]
+        .Ret<ffi::Buffer<ffi::F32>>());     // max [B, Hq, Sq]
+
+// attnaux_flash_bwd: dq, dk, dv, dbias, recomputing P from the saved lse (attention_cpu.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AttnauxFlashBwdCpu, attnaux::cpu::FlashBackwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()             // XLA's intra-op thread pool
+        .Arg<ffi::AnyBuffer>()              // q
+        .Arg<ffi::AnyBuffer>()              // k
+        .Arg<ffi::AnyBuffer>()              // v
+        .Arg<ffi::Buffer<ffi::F32>>()       // bias or (0,)
+        .Arg<ffi::Buffer<ffi::PRED>>()      // mask or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::F32>>()       // sink or (0,)
+        .Arg<ffi::Buffer<ffi::U32>>()       // rng_state or (0,)
+        .Arg<ffi::AnyBuffer>()              // out (forward output)
+        .Arg<ffi::AnyBuffer>()              // dout (cotangent of out)
+        .Arg<ffi::Buffer<ffi::F32>>()       // lse (forward output)
+        .Arg<ffi::Buffer<ffi::F32>>()       // dlse (cotangent of lse)
+        .Attr<float>("scale")               // as in the forward
+        .Attr<float>("softcap")             // as in the forward
+        .Attr<int32_t>("causal")            // as in the forward
+        .Attr<int64_t>("window_left")       // as in the forward
+        .Attr<int64_t>("window_right")      // as in the forward
+        .Attr<float>("dropout_rate")        // as in the forward (same rng_state: same mask)
+        .Ret<ffi::AnyBuffer>()              // dq [B, Sq, Hq, D]
+        .Ret<ffi::AnyBuffer>()              // dk [B, Skv, Hkv, D]
+        .Ret<ffi::AnyBuffer>()              // dv [B, Skv, Hkv, Dv]
+        .Ret<ffi::Buffer<ffi::F32>>());     // dbias [B, Hq, Sq, Skv] with a bias, else (0,)

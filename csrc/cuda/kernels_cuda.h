@@ -1,0 +1,15 @@
+// XLA FFI handlers of attnaux's own CUDA kernels: the fused softmax (docs/softmax_abi.md;
+// cuda/softmax.cu) and the `small_seq` attention primitive (docs/kernel_abi.md;
+// cuda/small_seq.cu), registered for platform "CUDA" under the same target names as the CPU
+// handlers, and the fused softmax of the `probs` backend on GPU (cuda/probs_softmax.cu; GPU-only
+// targets, see src/attnaux/_probs_gpu.py).
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" XLA_FFI_Error* AttnauxSoftmaxFwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxSmallSeqFwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxSmallSeqBwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxFwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);
