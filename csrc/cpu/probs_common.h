@@ -275,6 +275,25 @@ inline float RowLse(const HeadRows& hr, float m, float sum) {
   return m + std::log(sum);
 }
 
+// The normalisation of a row's probabilities, P = exp(s - m) * exp(m - shift) * scale: with
+// `shift` the row max (or the sink, when larger) and `scale` 1 / the row's sum exp(s - shift)
+// (the sink term included), so P divides by the row sum. Taking exp(m - lse) instead would make
+// every P inherit the rounding of lse, about |lse| * 2^-24, which grows with |lse|. A row with
+// no visible key gets shift = +inf and scale = 0 (P = 0).
+struct RowNorm {
+  float shift;
+  float scale;
+};
+
+inline RowNorm RowNormalisation(const HeadRows& hr, float m, float sum) {
+  if (m == -kInfP || !(sum > 0.0f)) return {kInfP, 0.0f};
+  if (hr.has_sink) {
+    const float big = std::max(m, hr.sink);
+    return {big, 1.0f / (sum * std::exp(m - big) + std::exp(hr.sink - big))};
+  }
+  return {m, 1.0f / sum};
+}
+
 // Outputs/inputs of the probability-saving primitives (docs/kernel_abi.md, "probs").
 struct ProbsForwardOutputs {
   void* out = nullptr;

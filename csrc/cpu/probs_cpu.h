@@ -237,11 +237,12 @@ struct ProbsForwardScratch {
         rows(kBlockQ * std::max(p.head_dim, p.v_dim)) {}
 };
 
-// lse of each lane from its max m and sum l = sum exp(s - m) (flash's final statistics), and the
-// effective lse that P is computed with: +inf where the row has no visible key or is padding,
-// so that exp(m_t - lse_eff) = 0 there.
+// lse of each lane from its max m and sum l = sum exp(s - m) (flash's final statistics), and
+// how P is normalised: P = e * exp(m_t - shift) * scale, dividing by the row sum (see
+// RowNormalisation in probs_common.h); shift = +inf and scale = 0 where the row has no visible
+// key or is padding, so that P = 0 there.
 inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, const float* l_row,
-                     float* lse, float* lse_eff) {
+                     float* lse, float* shift, float* scale) {
   for (int64_t lane = 0; lane < kBlockQ; ++lane) {
     const float mx = m_row[lane], sum = l_row[lane];
     float value = hv.has_sink ? hv.sink : -kInf;
@@ -258,7 +259,14 @@ inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, cons
       }
     }
     lse[lane] = value;
-    lse_eff[lane] = live ? value : kInf;
+    shift[lane] = kInf;
+    scale[lane] = 0.0f;
+    if (live) {
+      const float big = hv.has_sink ? std::max(mx, hv.sink) : mx;
+      const float total = hv.has_sink ? sum * std::exp(mx - big) + std::exp(hv.sink - big) : sum;
+      shift[lane] = big;
+      scale[lane] = 1.0f / total;
+    }
   }
 }
 
@@ -307,18 +315,18 @@ inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_
       Store(sc.tile_m.get() + jb * kBlockQ + v * kLanes, m_use);
     }
   }
-  alignas(64) float m_row[kBlockQ], l_row[kBlockQ], lse[kBlockQ], lse_eff[kBlockQ];
+  alignas(64) float m_row[kBlockQ], l_row[kBlockQ], lse[kBlockQ], shift[kBlockQ], scale[kBlockQ];
   for (int v = 0; v < kQVectors; ++v) {
     Store(m_row + v * kLanes, m[v]);
     Store(l_row + v * kLanes, l[v]);
   }
-  BlockLse(hv, valid, m_row, l_row, lse, lse_eff);
+  BlockLse(hv, valid, m_row, l_row, lse, shift, scale);
   for (int64_t lane = 0; lane < rows_in_block; ++lane) {
     const int64_t stat = (b * p.q_heads + h) * p.q_len + i0 + lane;
     o.lse[stat] = lse[lane];
     o.max[stat] = lane < valid ? m_row[lane] : -kInf;
   }
-  // Pass 2: P = e * exp(m_t - lse), written out, and O^T += V^T (P * drop)^T.
+  // Pass 2: P = e * exp(m_t - shift) * scale, written out, and O^T += V^T (P * drop)^T.
   float* ot = sc.ot.get();
   std::fill(ot, ot + dv * kBlockQ, 0.0f);
   const int64_t row0 = ProbsRow(p, b, h, i0);
@@ -330,7 +338,8 @@ inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_
     float* st = sc.scores.get() + j0 * kBlockQ;
     for (int v = 0; v < kQVectors; ++v) {
       const VecF factor = Exp(Load(sc.tile_m.get() + jb * kBlockQ + v * kLanes) -
-                              Load(lse_eff + v * kLanes));
+                              Load(shift + v * kLanes)) *
+                          Load(scale + v * kLanes);
       for (int64_t r = 0; r < nk; ++r) {
         float* sp = st + r * kBlockQ + v * kLanes;
         Store(sp, Load(sp) * factor);

@@ -343,7 +343,8 @@ inline float SmallSoftmax(const HeadRows& hr, uint32_t visible, int64_t lo, int6
   }
   const float m = visible != 0 ? HMax(mv) : -kInfP;
   *m_out = m;
-  // P = exp(s - m) * exp(m - lse): one vector exponential (exp(-inf) = 0 where not visible).
+  // P = exp(s - m) divided by the row sum (RowNormalisation): one vector exponential
+  // (exp(-inf) = 0 where not visible).
   const VecF m_use = Splat(m == -kInfP ? 0.0f : m);
   VecF sum = VecF{};
   for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) {
@@ -351,9 +352,10 @@ inline float SmallSoftmax(const HeadRows& hr, uint32_t visible, int64_t lo, int6
     Store(s + t, e);
     sum += e;
   }
-  const float lse = RowLse(hr, m, visible != 0 ? HSum(sum) : 0.0f);
-  const bool empty = lse == -kInfP || m == -kInfP;
-  const VecF factor = Splat(empty ? 0.0f : std::exp(m - lse));
+  const float row_sum = visible != 0 ? HSum(sum) : 0.0f;
+  const float lse = RowLse(hr, m, row_sum);
+  const RowNorm norm = RowNormalisation(hr, m, row_sum);
+  const VecF factor = Splat(norm.scale == 0.0f ? 0.0f : std::exp(m - norm.shift) * norm.scale);
   for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) Store(s + t, Load(s + t) * factor);
   return lse;
 }

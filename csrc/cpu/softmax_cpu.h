@@ -142,6 +142,30 @@ inline float HorizontalSum(VecF v) {
   return s;
 }
 
+// A row sum whose rounding error does not grow with the row length: the two vector accumulators
+// take at most kSumBlock elements (kSumBlock / (2 * kLanes) per lane), then their float sum is
+// added to a double and they restart. A row of at most kSumBlock elements sums exactly as one
+// block (the same bits as a plain two-accumulator sum); a longer one has the error of one block
+// plus the double sum of the blocks, instead of an error growing linearly with its length.
+constexpr int64_t kSumBlock = 4096;
+
+class SumBlocks {
+ public:
+  // After the accumulators have taken the elements [0, done): flushes them at a block's end.
+  void Step(int64_t done, VecF* acc0, VecF* acc1) {
+    if (done % kSumBlock != 0) return;
+    total_ += HorizontalSum(*acc0 + *acc1);
+    *acc0 = VecF{};
+    *acc1 = VecF{};
+  }
+  float Total(VecF acc0, VecF acc1) const {
+    return static_cast<float>(total_ + HorizontalSum(acc0 + acc1));
+  }
+
+ private:
+  double total_ = 0.0;
+};
+
 inline int64_t RoundDownLanes(int64_t n) { return n / kLanes * kLanes; }
 inline int64_t RoundUpLanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
@@ -198,9 +222,10 @@ void ForwardRow(const T* x, RowMask mask, int64_t limit, int64_t K, float scale,
     }
   }
 
-  // Pass 2: exp in place; vector sum (two accumulators, fixed order).
+  // Pass 2: exp in place; vector sum (two accumulators, fixed order), in blocks (SumBlocks).
   const VecF vm = Splat(row_m);
   VecF acc0 = VecF{}, acc1 = VecF{};
+  SumBlocks blocks;
   int64_t k = 0;
   for (; k + 2 * kLanes <= padded; k += 2 * kLanes) {
     VecF e0 = Exp(Load(scratch + k) - vm);
@@ -209,13 +234,14 @@ void ForwardRow(const T* x, RowMask mask, int64_t limit, int64_t K, float scale,
     Store(scratch + k + kLanes, e1);
     acc0 += e0;
     acc1 += e1;
+    blocks.Step(k + 2 * kLanes, &acc0, &acc1);
   }
   for (; k < padded; k += kLanes) {
     VecF e = Exp(Load(scratch + k) - vm);
     Store(scratch + k, e);
     acc0 += e;
   }
-  const float sum = HorizontalSum(acc0 + acc1);  // >= 1: the maximum contributes exp(0)
+  const float sum = blocks.Total(acc0, acc1);  // >= 1: the maximum contributes exp(0)
 
   // Pass 3: normalise into the output; zeros past the visible prefix.
   const float inv = 1.0f / sum;
@@ -232,6 +258,7 @@ template <typename T>
 void BackwardRow(const T* p, const T* dp, float dlse, int64_t K, float scale, T* dx) {
   const VecF zero = VecF{};
   VecF acc0 = zero, acc1 = zero;
+  SumBlocks blocks;
   const int64_t body = RoundDownLanes(K);
   int64_t j = 0;
   for (; j + 2 * kLanes <= body; j += 2 * kLanes) {
@@ -239,12 +266,13 @@ void BackwardRow(const T* p, const T* dp, float dlse, int64_t K, float scale, T*
     VecF d0 = LoadVec(dp + j), d1 = LoadVec(dp + j + kLanes);
     acc0 += p0 != zero ? p0 * d0 : zero;
     acc1 += p1 != zero ? p1 * d1 : zero;
+    blocks.Step(j + 2 * kLanes, &acc0, &acc1);
   }
   for (; j < body; j += kLanes) {
     VecF p0 = LoadVec(p + j), d0 = LoadVec(dp + j);
     acc0 += p0 != zero ? p0 * d0 : zero;
   }
-  float dot = HorizontalSum(acc0 + acc1);
+  float dot = blocks.Total(acc0, acc1);
   for (; j < K; ++j) {
     float pj = ToFloat(p[j]);
     if (pj != 0.0f) dot += pj * ToFloat(dp[j]);
