@@ -121,3 +121,20 @@ def test_mkdocs_edit_links_point_to_main():
     # Without edit_uri, mkdocs links a GitHub repo_url's pages to edit/master/docs/.
     assert config.get("repo_url", "").startswith("https://github.com/")
     assert config.get("edit_uri", "").rstrip("/") in {"edit/main/docs", "blob/main/docs"}, config
+
+
+def test_no_merge_conflict_markers_are_left():
+    """No source, build or documentation file keeps a line of a merge conflict."""
+    suffixes = {".md", ".py", ".h", ".cc", ".cu", ".cuh", ".txt", ".toml", ".yml"}
+    markers = ("<<<<<<< ", ">>>>>>> ")
+    found = []
+    for path in ROOT.rglob("*"):
+        if path.suffix not in suffixes or any(p in path.parts for p in ("build", ".git", "site")):
+            continue
+        try:
+            lines = path.read_text().splitlines()
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(lines, 1)
+                  if line.startswith(markers)]
+    assert not found, found
