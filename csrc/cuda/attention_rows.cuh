@@ -84,6 +84,25 @@ __device__ __forceinline__ float RowLse(const AttentionParams& a, int64_t h, flo
   return (m == -kInf || !(sum > 0.0f)) ? -kInf : m + logf(sum);
 }
 
+// How a row's probabilities are normalised: P = exp(s - shift) * scale, dividing by the row sum
+// (sink term included) rather than taking exp(s - lse), whose rounding (about |lse| * 2^-24)
+// every P would inherit. `sum` is the sum of exp(s - m). A row with no visible key: scale = 0.
+__device__ __forceinline__ void RowNorm(const AttentionParams& a, int64_t h, float m, float sum,
+                                        float* shift, float* scale) {
+  *shift = 0.0f;
+  *scale = 0.0f;
+  if (m == -kInf || !(sum > 0.0f)) return;
+  if (a.sink != nullptr) {
+    const float sink = a.sink[h];
+    const float big = fmaxf(m, sink);
+    *shift = big;
+    *scale = 1.0f / (sum * expf(m - big) + expf(sink - big));
+    return;
+  }
+  *shift = m;
+  *scale = 1.0f / sum;
+}
+
 }  // namespace attnaux_cuda_kernels
 
 #endif  // ATTNAUX_CSRC_CUDA_ATTENTION_ROWS_CUH_

@@ -93,11 +93,14 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       for (int t = 0; t < VEC; ++t) x[t] = -kInf;
     }
   };
-  // Writes P (and the dropout weights) of the VEC keys at j0 from their logits.
-  auto write = [&](int64_t j0, float (&x)[VEC], float l, bool empty) {
+  // Writes P (and the dropout weights) of the VEC keys at j0 from their logits, normalised as
+  // RowNorm says (scale 0: a row with no visible key).
+  auto write = [&](int64_t j0, float (&x)[VEC], float shift, float scale) {
     float p[VEC];
 #pragma unroll
-    for (int t = 0; t < VEC; ++t) p[t] = (empty || x[t] == -kInf) ? 0.0f : exp2f((x[t] - l) * kLog2e);
+    for (int t = 0; t < VEC; ++t) {
+      p[t] = (scale == 0.0f || x[t] == -kInf) ? 0.0f : exp2f((x[t] - shift) * kLog2e) * scale;
+    }
     StoreF<T, VEC>(prow + j0, p);
     if (wrow != nullptr) {
       bool keep[VEC];
@@ -124,11 +127,12 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       for (int t = 0; t < VEC; ++t) sum += x[c][t] == -kInf ? 0.0f : exp2f((x[c][t] - shift) * kLog2e);
     sum = WarpSum(sum);
     const float l = RowLse(a, h, m, sum);
-    const bool empty = l == -kInf || m == -kInf;
+    float p_shift, p_scale;
+    RowNorm(a, h, m, sum, &p_shift, &p_scale);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const int64_t j0 = (static_cast<int64_t>(c) * 32 + lane) * VEC;
-      if (j0 < a.kv_len) write(j0, x[c], l, empty);
+      if (j0 < a.kv_len) write(j0, x[c], p_shift, p_scale);
     }
     if (lane == 0) {
       lse[row] = band.padding ? (a.sink != nullptr ? a.sink[h] : -kInf) : l;
@@ -155,11 +159,12 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       Combine(m, sum, m2, s2);
     }
     const float l = RowLse(a, h, m, sum);
-    const bool empty = l == -kInf || m == -kInf;
+    float p_shift, p_scale;
+    RowNorm(a, h, m, sum, &p_shift, &p_scale);
     for (int64_t j0 = static_cast<int64_t>(lane) * VEC; j0 < a.kv_len; j0 += 32 * VEC) {
       float x[VEC];
       logits(j0, x);
-      write(j0, x, l, empty);
+      write(j0, x, p_shift, p_scale);
     }
     if (lane == 0) {
       lse[row] = band.padding ? (a.sink != nullptr ? a.sink[h] : -kInf) : l;
