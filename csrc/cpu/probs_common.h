@@ -263,35 +263,30 @@ struct HeadRows {
   }
 };
 
-// lse and the probability factor from a row's max m (over visible keys, -inf if none) and
-// sum = sum_j exp(s_j - m). Returns lse (-inf, or sink, for a row with no visible key).
-inline float RowLse(const HeadRows& hr, float m, float sum) {
-  if (hr.has_sink) {
-    const float big = std::max(m, hr.sink);
-    const float scaled = m == -kInfP ? 0.0f : sum * std::exp(m - big);
-    return big + std::log(scaled + std::exp(hr.sink - big));
-  }
-  if (m == -kInfP || !(sum > 0.0f)) return -kInfP;
-  return m + std::log(sum);
-}
-
-// The normalisation of a row's probabilities, P = exp(s - m) * exp(m - shift) * scale: with
-// `shift` the row max (or the sink, when larger) and `scale` 1 / the row's sum exp(s - shift)
-// (the sink term included), so P divides by the row sum. Taking exp(m - lse) instead would make
-// every P inherit the rounding of lse, about |lse| * 2^-24, which grows with |lse|. A row with
-// no visible key gets shift = +inf and scale = 0 (P = 0).
-struct RowNorm {
+// A row's statistics from its max m (over visible keys, -inf if none) and
+// sum = sum_j exp(s_j - m): lse (-inf, or the sink, for a row with no visible key), and how its
+// probabilities are normalised, P = exp(s - m) * exp(m - shift) * scale, with `shift` the row
+// max (or the sink, when larger) and `scale` 1 / the row's sum exp(s - shift), the sink term
+// included. P thus divides by the row sum; taking exp(m - lse) instead would make every P
+// inherit the rounding of lse, about |lse| * 2^-24, which grows with |lse|. A row with no
+// visible key gets shift = +inf and scale = 0 (P = 0).
+struct RowStats {
+  float lse;
   float shift;
   float scale;
 };
 
-inline RowNorm RowNormalisation(const HeadRows& hr, float m, float sum) {
-  if (m == -kInfP || !(sum > 0.0f)) return {kInfP, 0.0f};
+inline RowStats RowStatistics(const HeadRows& hr, float m, float sum) {
+  const bool live = m != -kInfP && sum > 0.0f;
   if (hr.has_sink) {
     const float big = std::max(m, hr.sink);
-    return {big, 1.0f / (sum * std::exp(m - big) + std::exp(hr.sink - big))};
+    const float scaled = m == -kInfP ? 0.0f : sum * std::exp(m - big);
+    const float total = scaled + std::exp(hr.sink - big);
+    const float lse = big + std::log(total);
+    return live ? RowStats{lse, big, 1.0f / total} : RowStats{lse, kInfP, 0.0f};
   }
-  return {m, 1.0f / sum};
+  if (!live) return {-kInfP, kInfP, 0.0f};
+  return {m + std::log(sum), m, 1.0f / sum};
 }
 
 // Outputs/inputs of the probability-saving primitives (docs/kernel_abi.md, "probs").

@@ -239,34 +239,32 @@ struct ProbsForwardScratch {
 
 // lse of each lane from its max m and sum l = sum exp(s - m) (flash's final statistics), and
 // how P is normalised: P = e * exp(m_t - shift) * scale, dividing by the row sum (see
-// RowNormalisation in probs_common.h); shift = +inf and scale = 0 where the row has no visible
+// RowStatistics in probs_common.h); shift = +inf and scale = 0 where the row has no visible
 // key or is padding, so that P = 0 there.
 inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, const float* l_row,
                      float* lse, float* shift, float* scale) {
   for (int64_t lane = 0; lane < kBlockQ; ++lane) {
     const float mx = m_row[lane], sum = l_row[lane];
     float value = hv.has_sink ? hv.sink : -kInf;
-    bool live = false;
+    shift[lane] = kInf;
+    scale[lane] = 0.0f;
     if (lane < valid) {
       if (hv.has_sink) {
         const float big = std::max(mx, hv.sink);
         const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
-        value = big + std::log(scaled + std::exp(hv.sink - big));
-        live = mx != -kInf;
+        const float total = scaled + std::exp(hv.sink - big);
+        value = big + std::log(total);
+        if (mx != -kInf) {
+          shift[lane] = big;
+          scale[lane] = 1.0f / total;
+        }
       } else if (mx != -kInf && sum > 0.0f) {
         value = mx + std::log(sum);
-        live = true;
+        shift[lane] = mx;
+        scale[lane] = 1.0f / sum;
       }
     }
     lse[lane] = value;
-    shift[lane] = kInf;
-    scale[lane] = 0.0f;
-    if (live) {
-      const float big = hv.has_sink ? std::max(mx, hv.sink) : mx;
-      const float total = hv.has_sink ? sum * std::exp(mx - big) + std::exp(hv.sink - big) : sum;
-      shift[lane] = big;
-      scale[lane] = 1.0f / total;
-    }
   }
 }
 

@@ -343,7 +343,7 @@ inline float SmallSoftmax(const HeadRows& hr, uint32_t visible, int64_t lo, int6
   }
   const float m = visible != 0 ? HMax(mv) : -kInfP;
   *m_out = m;
-  // P = exp(s - m) divided by the row sum (RowNormalisation): one vector exponential
+  // P = exp(s - m) divided by the row sum (RowStatistics): one vector exponential
   // (exp(-inf) = 0 where not visible).
   const VecF m_use = Splat(m == -kInfP ? 0.0f : m);
   VecF sum = VecF{};
@@ -353,11 +353,10 @@ inline float SmallSoftmax(const HeadRows& hr, uint32_t visible, int64_t lo, int6
     sum += e;
   }
   const float row_sum = visible != 0 ? HSum(sum) : 0.0f;
-  const float lse = RowLse(hr, m, row_sum);
-  const RowNorm norm = RowNormalisation(hr, m, row_sum);
-  const VecF factor = Splat(norm.scale == 0.0f ? 0.0f : std::exp(m - norm.shift) * norm.scale);
+  const RowStats stats = RowStatistics(hr, m, row_sum);
+  const VecF factor = Splat(stats.scale == 0.0f ? 0.0f : std::exp(m - stats.shift) * stats.scale);
   for (int64_t t = 0; t < kSmallKeyPad; t += kLanes) Store(s + t, Load(s + t) * factor);
-  return lse;
+  return stats.lse;
 }
 
 // drop[j] = the dropout factor of key j (keep / (1 - rate) or 0) over [lo, hi), 1 elsewhere and
