@@ -73,34 +73,29 @@ __device__ __forceinline__ float Logit(const AttentionParams& a, const float* bi
   return s;
 }
 
-// lse of a row from its visible maximum m and sum of exp(s - m), with the sink in the sum.
-__device__ __forceinline__ float RowLse(const AttentionParams& a, int64_t h, float m, float sum) {
+// A row's statistics from its max m (over visible keys, -inf if none) and
+// sum = sum_j exp(s_j - m): lse (-inf, or the sink, for a row with no visible key), and how its
+// probabilities are normalised, P = exp(s - shift) * scale: dividing by the row sum (the sink
+// term included) rather than taking exp(s - lse), whose rounding (about |lse| * 2^-24) every P
+// would inherit. A row with no visible key: scale = 0.
+struct RowStats {
+  float lse;
+  float shift;
+  float scale;
+};
+
+__device__ __forceinline__ RowStats RowStatistics(const AttentionParams& a, int64_t h, float m,
+                                                  float sum) {
+  const bool live = m != -kInf && sum > 0.0f;
   if (a.sink != nullptr) {
     const float sink = a.sink[h];
     const float big = fmaxf(m, sink);
     const float scaled = m == -kInf ? 0.0f : sum * expf(m - big);
-    return big + logf(scaled + expf(sink - big));
+    const float total = scaled + expf(sink - big);
+    return {big + logf(total), big, live ? 1.0f / total : 0.0f};
   }
-  return (m == -kInf || !(sum > 0.0f)) ? -kInf : m + logf(sum);
-}
-
-// How a row's probabilities are normalised: P = exp(s - shift) * scale, dividing by the row sum
-// (sink term included) rather than taking exp(s - lse), whose rounding (about |lse| * 2^-24)
-// every P would inherit. `sum` is the sum of exp(s - m). A row with no visible key: scale = 0.
-__device__ __forceinline__ void RowNorm(const AttentionParams& a, int64_t h, float m, float sum,
-                                        float* shift, float* scale) {
-  *shift = 0.0f;
-  *scale = 0.0f;
-  if (m == -kInf || !(sum > 0.0f)) return;
-  if (a.sink != nullptr) {
-    const float sink = a.sink[h];
-    const float big = fmaxf(m, sink);
-    *shift = big;
-    *scale = 1.0f / (sum * expf(m - big) + expf(sink - big));
-    return;
-  }
-  *shift = m;
-  *scale = 1.0f / sum;
+  if (!live) return {-kInf, 0.0f, 0.0f};
+  return {m + logf(sum), m, 1.0f / sum};
 }
 
 }  // namespace attnaux_cuda_kernels

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
   };
   // Writes P (and the dropout weights) of the VEC keys at j0 from their logits, normalised as
-  // RowNorm says (scale 0: a row with no visible key).
+  // RowStatistics says (scale 0: a row with no visible key).
   auto write = [&](int64_t j0, float (&x)[VEC], float shift, float scale) {
     float p[VEC];
 #pragma unroll
@@ -126,13 +126,12 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 #pragma unroll
       for (int t = 0; t < VEC; ++t) sum += x[c][t] == -kInf ? 0.0f : exp2f((x[c][t] - shift) * kLog2e);
     sum = WarpSum(sum);
-    const float l = RowLse(a, h, m, sum);
-    float p_shift, p_scale;
-    RowNorm(a, h, m, sum, &p_shift, &p_scale);
+    const RowStats st = RowStatistics(a, h, m, sum);
+    const float l = st.lse;
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const int64_t j0 = (static_cast<int64_t>(c) * 32 + lane) * VEC;
-      if (j0 < a.kv_len) write(j0, x[c], p_shift, p_scale);
+      if (j0 < a.kv_len) write(j0, x[c], st.shift, st.scale);
     }
     if (lane == 0) {
       lse[row] = band.padding ? (a.sink != nullptr ? a.sink[h] : -kInf) : l;
@@ -158,13 +157,12 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, sum, o);
       Combine(m, sum, m2, s2);
     }
-    const float l = RowLse(a, h, m, sum);
-    float p_shift, p_scale;
-    RowNorm(a, h, m, sum, &p_shift, &p_scale);
+    const RowStats st = RowStatistics(a, h, m, sum);
+    const float l = st.lse;
     for (int64_t j0 = static_cast<int64_t>(lane) * VEC; j0 < a.kv_len; j0 += 32 * VEC) {
       float x[VEC];
       logits(j0, x);
-      write(j0, x, p_shift, p_scale);
+      write(j0, x, st.shift, st.scale);
     }
     if (lane == 0) {
       lse[row] = band.padding ? (a.sink != nullptr ? a.sink[h] : -kInf) : l;

@@ -230,12 +230,13 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks)
   float sum = 0.0f;
 #pragma unroll
   for (int j = 0; j < kSmallMaxKeys; ++j) sum += (keys.visible >> j & 1u) ? expf(s[j] - shift) : 0.0f;
-  const float l = RowLse(a, h, m, sum);
-  const bool empty = l == -kInf || m == -kInf;
+  const RowStats st = RowStatistics(a, h, m, sum);  // P divided by the row sum
+  const float l = st.lse;
   float p[kSmallMaxKeys], w[kSmallMaxKeys];
 #pragma unroll
   for (int j = 0; j < kSmallMaxKeys; ++j) {
-    p[j] = (!empty && (keys.visible >> j & 1u)) ? expf(s[j] - l) : 0.0f;
+    p[j] = (st.scale != 0.0f && (keys.visible >> j & 1u)) ? expf(s[j] - st.shift) * st.scale
+                                                           : 0.0f;
     w[j] = (keep >> j & 1u) ? p[j] * (a.rng_state != nullptr ? a.drop_scale : 1.0f) : 0.0f;
   }
   if (owner && probs != nullptr) {
