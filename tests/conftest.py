@@ -287,3 +287,9 @@ requires_flash = pytest.mark.skipif(
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None and jax.default_backend() != "gpu":
         pytest.skip(f"needs a GPU; JAX's default backend is {jax.default_backend()!r}")
+
+
+# The multi-device tests in tests/spmd need 8 devices, which JAX gets only when
+# XLA_FLAGS=--xla_force_host_platform_device_count=8 is set before it starts: tests/test_spmd.py
+# runs them in a subprocess, so this session does not collect them itself.
+collect_ignore = [] if len(jax.devices()) >= 8 else ["spmd"]

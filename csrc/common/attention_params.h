@@ -44,8 +44,24 @@ struct AttentionParams {
   // CUDA kernels' former argument struct (the same kernel-parameter offsets, the same code).
   float dropout_rate = 0.0f;
   Elem elem = Elem::kF32;
+  // rng_state holds 12 words: this call is a block of a larger [B, Hq, Sq, Skv] problem (a shard
+  // under SPMD), and words 4..10 give its origin and the global sizes (DropoutIndex).
+  bool dropout_origin = false;
 
   ATTNAUX_HOST_DEVICE int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 1; }
+
+  // The dropout counter of element (b, h, i, j) of this call's probabilities: its row-major
+  // index in the [B, Hq, Sq, Skv] tensor of the whole problem (docs/kernel_abi.md), so a shard
+  // draws the keep-mask of the unsharded call. rng_state (device memory on CUDA) is read here.
+  ATTNAUX_HOST_DEVICE uint64_t DropoutIndex(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (!dropout_origin) {
+      return static_cast<uint64_t>(((b * q_heads + h) * q_len + i) * kv_len + j);
+    }
+    // words 4..10: batch, head, query and key origin; global heads, q_len, kv_len
+    const uint32_t* o = rng_state + 4;
+    const uint64_t row = (uint64_t{o[0]} + b) * o[4] + o[1] + h;
+    return ((row * o[5]) + o[2] + i) * o[6] + o[3] + j;
+  }
 };
 
 }  // namespace attnaux

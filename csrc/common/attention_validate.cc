@@ -114,8 +114,10 @@ ffi::Error CheckCpuRules(const std::string& target, const AttentionInputs& in) {
                    "dropout_rate must be in [0, 1), got " + std::to_string(dropout_rate) + ".");
   }
   if (dropout_rate > 0.0f) {
-    if (!SameDims(in.rng_state.dims, {4})) {
-      return ShapeError(target, "rng_state", "(4,) when dropout_rate > 0", in.rng_state.dims);
+    if (!SameDims(in.rng_state.dims, {4}) && !SameDims(in.rng_state.dims, {12})) {
+      return ShapeError(target, "rng_state",
+                        "(4,), or (12,) for a block of a larger problem, when dropout_rate > 0",
+                        in.rng_state.dims);
     }
   } else if (!Absent(in.rng_state.dims)) {
     return ShapeError(target, "rng_state", "(0,) when dropout_rate is 0", in.rng_state.dims);
@@ -200,8 +202,10 @@ ffi::Error CheckCudaRules(const std::string& target, const AttentionInputs& in) 
     return Invalid(target, "attribute `dropout_rate` must be in [0, 1).");
   }
   if (in.dropout_rate > 0.0f) {
-    if (in.rng_state.dtype != ffi::DataType::U32 || !SameDims(in.rng_state.dims, {4})) {
-      return Invalid(target, "`rng_state` must be U32 [4] when dropout_rate > 0.");
+    if (in.rng_state.dtype != ffi::DataType::U32 ||
+        (!SameDims(in.rng_state.dims, {4}) && !SameDims(in.rng_state.dims, {12}))) {
+      return Invalid(target, "`rng_state` must be U32 [4] (or [12] for a block of a larger "
+                             "problem) when dropout_rate > 0.");
     }
   } else if (!Absent(in.rng_state.dims)) {
     return Invalid(target, "`rng_state` must be (0,) when dropout_rate == 0.");
@@ -249,6 +253,7 @@ void FillParams(const AttentionInputs& in, int64_t window_limit, AttentionParams
   if (!Absent(in.sink.dims)) p->sink = static_cast<const float*>(in.sink.data);
   if (in.dropout_rate > 0.0f) {
     p->rng_state = static_cast<const uint32_t*>(in.rng_state.data);
+    p->dropout_origin = SameDims(in.rng_state.dims, {12});
     p->drop_threshold = DropoutThreshold(in.dropout_rate);
     p->drop_scale = 1.0f / (1.0f - in.dropout_rate);
   }

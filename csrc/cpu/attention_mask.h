@@ -181,9 +181,7 @@ inline void DropoutTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j
   const int64_t nk = j1 - j0;
   std::fill(drop, drop + nk * kBlockQ, 0.0f);
   for (int64_t lane = 0; lane < valid; ++lane) {
-    const uint64_t row_base =
-        static_cast<uint64_t>(((hv.b * p.q_heads + hv.h) * p.q_len + i0 + lane) * p.kv_len);
-    uint64_t e = row_base + j0;
+    uint64_t e = p.DropoutIndex(hv.b, hv.h, i0 + lane, j0);
     for (int64_t r = 0; r < nk;) {
       const PhiloxWords words = DropoutWords(p.rng_state, e);
       for (uint64_t w = e & 3u; w < 4 && r < nk; ++w, ++r, ++e) {

@@ -247,10 +247,8 @@ struct HeadRows {
   float Bias(int64_t i, int64_t j) const {
     return bias[i * p->bias_stride[2] + j * p->bias_stride[3]];
   }
-  // Linear index of (b, h, i, 0) in [B, Hq, Sq, Skv] (the dropout counter).
-  uint64_t RowBase(int64_t i) const {
-    return static_cast<uint64_t>(((b * p->q_heads + h) * p->q_len + i) * p->kv_len);
-  }
+  // The dropout counter of (b, h, i, 0) (AttentionParams::DropoutIndex).
+  uint64_t RowBase(int64_t i) const { return p->DropoutIndex(b, h, i, 0); }
   // drop[j - j0] = keep(i, j) / (1 - rate) or 0, for j in [j0, j1).
   void DropRow(int64_t i, int64_t j0, int64_t j1, float* drop) const {
     uint64_t e = RowBase(i) + static_cast<uint64_t>(j0);

@@ -41,20 +41,23 @@ using attnaux::ValidationRules;
 //   products, and the weights P * drop again for dv.
 // ================================================================================================
 
-// Keep bits of the VEC elements starting at row-major element index e: with VEC = 4 the caller
-// guarantees e % 4 == 0, so one Philox call gives all four words.
+// Keep bits of the VEC elements starting at dropout counter e (AttentionParams::DropoutIndex):
+// with VEC = 4 and e % 4 == 0 (always so for a whole call with kv_len % 4 == 0; a block of a
+// larger problem may start elsewhere) one Philox call gives all four words.
 template <int VEC>
 __device__ __forceinline__ void KeepVec(const AttentionParams& a, uint64_t e, bool (&keep)[VEC]) {
   if constexpr (VEC == 4) {
-    const uint4 w = PhiloxBlock(a.rng_state, e >> 2);
-    keep[0] = w.x >= a.drop_threshold;
-    keep[1] = w.y >= a.drop_threshold;
-    keep[2] = w.z >= a.drop_threshold;
-    keep[3] = w.w >= a.drop_threshold;
-  } else {
-#pragma unroll
-    for (int t = 0; t < VEC; ++t) keep[t] = DropoutWord(a.rng_state, e + t) >= a.drop_threshold;
+    if ((e & 3u) == 0) {
+      const uint4 w = PhiloxBlock(a.rng_state, e >> 2);
+      keep[0] = w.x >= a.drop_threshold;
+      keep[1] = w.y >= a.drop_threshold;
+      keep[2] = w.z >= a.drop_threshold;
+      keep[3] = w.w >= a.drop_threshold;
+      return;
+    }
   }
+#pragma unroll
+  for (int t = 0; t < VEC; ++t) keep[t] = DropoutWord(a.rng_state, e + t) >= a.drop_threshold;
 }
 
 // Rows of up to 32 * VEC * kProbsRegChunks keys stay in registers (one read of each input, exp2
@@ -104,7 +107,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     StoreF<T, VEC>(prow + j0, p);
     if (wrow != nullptr) {
       bool keep[VEC];
-      KeepVec<VEC>(a, static_cast<uint64_t>(row * a.kv_len + j0), keep);
+      KeepVec<VEC>(a, a.DropoutIndex(b, h, i, j0), keep);
 #pragma unroll
       for (int t = 0; t < VEC; ++t) p[t] = keep[t] ? p[t] * a.drop_scale : 0.0f;
       StoreF<T, VEC>(wrow + j0, p);
@@ -188,6 +191,8 @@ __global__ void __launch_bounds__(kRowWarps * 32) ProbsSoftmaxBwd(AttentionParam
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   if (row >= a.batch * a.q_heads * a.q_len) return;  // the whole warp
   const int64_t off = row * a.kv_len;
+  const int64_t i = row % a.q_len, bh = row / a.q_len;
+  const int64_t h = bh % a.q_heads, b = bh / a.q_heads;
   const T* prow = static_cast<const T*>(io.probs) + off;
   const float* dprow = io.dp + off;
   const T* grow = io.dprobs == nullptr ? nullptr : static_cast<const T*>(io.dprobs) + off;
@@ -205,7 +210,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) ProbsSoftmaxBwd(AttentionParam
     }
     if (a.rng_state != nullptr) {
       bool keep[VEC];
-      KeepVec<VEC>(a, static_cast<uint64_t>(off + j0), keep);
+      KeepVec<VEC>(a, a.DropoutIndex(b, h, i, j0), keep);
 #pragma unroll
       for (int t = 0; t < VEC; ++t) dpt[t] = (keep[t] ? a.drop_scale * dpt[t] : 0.0f) + g[t];
     } else {
@@ -231,7 +236,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) ProbsSoftmaxBwd(AttentionParam
     if (io.dbias != nullptr) StoreF<float, VEC>(io.dbias + off + j0, ds);
     if (io.weights != nullptr) {
       bool keep[VEC];
-      KeepVec<VEC>(a, static_cast<uint64_t>(off + j0), keep);
+      KeepVec<VEC>(a, a.DropoutIndex(b, h, i, j0), keep);
 #pragma unroll
       for (int t = 0; t < VEC; ++t) p[t] = keep[t] ? p[t] * a.drop_scale : 0.0f;
       StoreF<T, VEC>(static_cast<T*>(io.weights) + off + j0, p);

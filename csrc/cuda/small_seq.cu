@@ -124,13 +124,13 @@ __device__ __forceinline__ SmallKeys SmallKeysOf(const AttentionParams& a, int64
   return r;
 }
 
-// Bit j = the dropout keep bit of key j of query row `row` (all ones without dropout).
+// Bit j = the dropout keep bit of key j of the query row of (b, h) (all ones without dropout).
 template <int LANES>
-__device__ __forceinline__ uint32_t SmallKeepBits(const AttentionParams& a, int64_t row, int gl) {
+__device__ __forceinline__ uint32_t SmallKeepBits(const AttentionParams& a, int64_t b, int64_t h,
+                                                  int gl) {
   if (a.rng_state == nullptr) return (1u << kSmallMaxKeys) - 1u;
   return KeyBits<LANES>(gl, [&](int j) {
-    return j < a.kv_len &&
-           DropoutWord(a.rng_state, static_cast<uint64_t>(row * a.kv_len + j)) >= a.drop_threshold;
+    return j < a.kv_len && DropoutWord(a.rng_state, a.DropoutIndex(b, h, 0, j)) >= a.drop_threshold;
   });
 }
 
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks)
   const int64_t b = row / a.q_heads, h = row - b * a.q_heads;
   const int64_t hk = h / (a.q_heads / a.kv_heads);
   const SmallKeys keys = SmallKeysOf<LANES>(a, b, h, gl);
-  const uint32_t keep = SmallKeepBits<LANES>(a, row, gl);
+  const uint32_t keep = SmallKeepBits<LANES>(a, b, h, gl);
   const int64_t k_stride = a.kv_heads * a.head_dim, v_stride = a.kv_heads * a.v_dim;
   const T* q = static_cast<const T*>(a.q) + row * a.head_dim;  // [B, 1, Hq, D]
   const T* k_rows = static_cast<const T*>(a.k) + (b * a.kv_len * a.kv_heads + hk) * a.head_dim;
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kSmallThreads, kSmallMinBlocks) SmallSeqBwd(At
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = hk * group + g, row = b * a.q_heads + h;
     const SmallKeys keys = SmallKeysOf<LANES>(a, b, h, gl);
-    const uint32_t keep = SmallKeepBits<LANES>(a, row, gl);
+    const uint32_t keep = SmallKeepBits<LANES>(a, b, h, gl);
     const T* q = static_cast<const T*>(a.q) + row * a.head_dim;
     const T* dout = static_cast<const T*>(io.dout) + row * a.v_dim;
     float dov[kSmallMaxKeys], qk[kSmallMaxKeys];

@@ -428,7 +428,8 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer probs, ffi::AnyBuf
     return SoftmaxInvalid("`dprobs` must have the dtype and shape " + BracketShape(pd) + " of `probs`.");
   }
   if (dlse.element_type() != ffi::DataType::F32 || !SameDims(dlse.dimensions(), {pd[0], pd[1]})) {
-    return SoftmaxInvalid("`dlse` must be F32 of shape [N, q_seq]; got " + BracketShape(dlse.dimensions()) + ".");
+    return SoftmaxInvalid("`dlse` must be F32 of shape [" + std::to_string(pd[0]) + ", " + std::to_string(pd[1]) +
+                          "]; got " + BracketShape(dlse.dimensions()) + ".");
   }
   if (dlogits->element_type() != probs.element_type() || !SameDims(dlogits->dimensions(), {pd[0], pd[1], pd[2]})) {
     return SoftmaxInvalid("output `dlogits` must have probs' dtype and shape " + BracketShape(pd) + ".");

@@ -1,4 +1,7 @@
+import json
+
 import equinox as eqx
+import jax
 from jaxtyping import Array, Float, UInt32
 
 
@@ -34,3 +37,36 @@ class AttnAux(eqx.Module):
     rng_state: UInt32[Array, "4"] | None = None
     backend: str = eqx.field(static=True, default="reference")
     dropout_impl: str = eqx.field(static=True, default="attnaux")
+
+
+# `jax.export` serializes the output pytree of an exported function: AttnAux's node is
+# registered under a stable name, with its static fields (`backend`, `dropout_impl`) as JSON.
+_BACKENDS = ("flash", "probs", "small_seq", "reference", "kernel")
+_DROPOUT_IMPLS = ("attnaux", "cudnn")
+
+
+def _node_data(backend: str, dropout_impl: str):
+    template = AttnAux(lse=0.0, max=0.0, backend=backend, dropout_impl=dropout_impl)
+    return jax.tree_util.tree_structure(template).node_data()[1]
+
+
+def _serialize_auxdata(auxdata) -> bytes:
+    for backend in _BACKENDS:
+        for impl in _DROPOUT_IMPLS:
+            if _node_data(backend, impl) == auxdata:
+                return json.dumps({"backend": backend, "dropout_impl": impl}).encode()
+    raise ValueError(f"cannot serialize an AttnAux with static fields {auxdata!r}.")
+
+
+def _deserialize_auxdata(data: bytes):
+    fields = json.loads(data.decode())
+    return _node_data(fields["backend"], fields["dropout_impl"])
+
+
+try:
+    jax.export.register_pytree_node_serialization(
+        AttnAux, serialized_name="attnaux.AttnAux", serialize_auxdata=_serialize_auxdata,
+        deserialize_auxdata=_deserialize_auxdata,
+    )
+except (AttributeError, ValueError):  # a JAX without it, or registered twice (a reload)
+    pass

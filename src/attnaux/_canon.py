@@ -82,11 +82,10 @@ def parse_statics(*, scale: Any, causal: Any, window: Any, softcap: Any,
 
 class SoftmaxOptions(NamedTuple):
     """Static options of one `attnaux.softmax` call (hashable: keys `custom_vjp` and the kernel
-    cache); the logits are `[N, q_seq, kv_seq]` (`docs/softmax_abi.md`)."""
+    cache)."""
 
     scale: float
     causal: int  # 0 none, 1 top-left, 2 bottom-right
-    mask_div: int  # logits matrix n reads mask matrix (n // mask_div) % mask_n
 
 
 class Canonical(NamedTuple):

@@ -99,6 +99,28 @@ if _ext_cuda is not None and CUDA_IMPORT_ERROR is None:
         KERNELS_CUDA_ERROR = f"{type(error).__name__}: {error}"
 
 
+def _declare_export_stable(names) -> None:
+    """Lets `jax.export` serialize calls of attnaux's targets with no safety check disabled.
+
+    `jax.export` accepts only custom calls whose ABI is guaranteed stable. attnaux's is: every
+    target's operands, attributes and results are documented in `docs/kernel_abi.md` and change
+    only by extension (new optional words, new targets), never in meaning. An exported artifact
+    then runs wherever `attnaux` (this version or a later one) is imported, which registers the
+    targets. JAX keeps the list in a private set; without it, export needs
+    `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]` (docs/sharding.md).
+    """
+    try:
+        from jax._src.export import _export
+    except ImportError:
+        return
+    stable = getattr(_export, "_CUSTOM_CALL_TARGETS_GUARANTEED_STABLE", None)
+    if isinstance(stable, set):
+        stable.update(names)
+
+
+_declare_export_stable(REGISTERED)
+
+
 def ext_cuda():
     """The compiled GPU module `attnaux._ext_cuda`, or None when it was not built."""
     return _ext_cuda

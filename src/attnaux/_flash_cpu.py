@@ -33,9 +33,11 @@ _BACKWARD_EXTRA = (("out", BATCH), ("dout", BATCH), ("lse", BATCH), ("dlse", BAT
 def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
     attrs = attention_attrs(options)
     forward = KernelOp(FWD_TARGET, CANONICAL_OPERANDS, ("out", "lse", "max"), attention_shapes,
-                       attrs, sequential_if_present=("rng_state",))
+                       attrs, sequential_if_present=("rng_state",),
+                       dropout=("rng_state", True))
     backward = KernelOp(BWD_TARGET, CANONICAL_OPERANDS + _BACKWARD_EXTRA, GRADIENTS,
-                        gradient_shapes, attrs, sequential_if_present=("rng_state",))
+                        gradient_shapes, attrs, sequential_if_present=("rng_state",),
+                       dropout=("rng_state", True))
     return forward, backward
 
 

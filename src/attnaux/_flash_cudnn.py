@@ -309,12 +309,12 @@ def _ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
         FWD_TARGET, _OPERANDS, ("out", "stats", "max", "rng_dump", "workspace"), forward_shapes,
         dict(with_max=np.int32(cfg.with_max), composite=np.int32(cfg.composite),
              rng_dump=np.int32(0), **_attrs(cfg)),
-        returns=("out", "stats", "max"), sequential_if_present=("rng",),
+        returns=("out", "stats", "max"), sequential_if_present=("rng",), dropout=("rng", False),
     )
     backward = KernelOp(
         BWD_TARGET, _OPERANDS + _BACKWARD_EXTRA, ("dq", "dk", "dv", "dbias", "workspace"),
         backward_shapes, _attrs(cfg), returns=("dq", "dk", "dv", "dbias"),
-        result_like={"dbias": "bias"}, sequential_if_present=("rng",),
+        result_like={"dbias": "bias"}, sequential_if_present=("rng",), dropout=("rng", False),
     )
     return forward, backward
 

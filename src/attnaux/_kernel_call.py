@@ -31,6 +31,16 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import SymbolicZero
 
+from ._partition import (
+    Layout,
+    match_vma,
+    partitioned,
+    sharded_reduction,
+    table_layout,
+    unify_vma,
+    vma,
+)
+
 Canonical = Any  # `_canon.Canonical`: the canonical arrays of a call (read by field)
 Options = Any  # `_canon.Options`: its static options (read by field)
 
@@ -92,6 +102,15 @@ class KernelOp:
     - `folds`: `{operand: fold(axis_size, batched, x, batch)}` for an operand whose layout the
       roles do not describe.
     - `aliases`: `input_output_aliases` of the call, by position.
+    - `layout`: `layout(name, shape) -> labels`, the dims of each operand and result for the
+      sharding rules (`_partition.py`; default its table by name).
+    - `dropout`: `(operand, follows_global_indices)`: the dropout state, and whether the
+      kernel's counter takes a shard's origin (attnaux's kernels) or not (cuDNN's).
+    - `kernel`: the call on one device's operands, in place of the plain FFI call (for a kernel
+      that reshapes its operands first); returns the `returns` results.
+
+    Under `jax.jit` with sharded operands the call runs shard-local over batch and heads
+    (`_partition.partitioned`); inside `jax.shard_map` it runs on the local block.
     """
 
     def __init__(
@@ -107,6 +126,9 @@ class KernelOp:
         sequential_if_present: tuple[str, ...] = (),
         folds: Mapping[str, Fold] | None = None,
         aliases: Mapping[int, int] | None = None,
+        layout: Layout = table_layout,
+        dropout: tuple[str, bool] | None = None,
+        kernel: Callable[..., tuple[jax.Array, ...]] | None = None,
     ):
         self.target = target
         self.operands = operands
@@ -120,7 +142,12 @@ class KernelOp:
         self._sequential_if_present = sequential_if_present
         self._folds = dict(folds or {})
         self._aliases = dict(aliases or {})
-        self._call = custom_vmap(self._ffi_call)
+        self._kernel = kernel
+        self._partitioned = partitioned(
+            self._local_call, f"attnaux ({target})", self.names, self.returns, layout=layout,
+            dropout=dropout,
+        )
+        self._call = custom_vmap(self._partitioned)
         self._call.def_vmap(self._vmap_rule)
 
     def __call__(self, **operands: jax.Array) -> dict[str, jax.Array]:
@@ -128,10 +155,18 @@ class KernelOp:
             raise TypeError(
                 f"{self.target} takes the operands {self.names}; got {tuple(operands)}."
             )
-        outs = self._call(*(operands[name] for name in self.names))
+        args = tuple(operands[name] for name in self.names)
+        # Inside `jax.shard_map` the results vary over the operands' manual axes (the traced
+        # call itself loses them).
+        axes = frozenset().union(*(vma(a) for a in args))
+        outs = tuple(match_vma(o, axes) for o in self._call(*args))
         return dict(zip(self.returns, outs, strict=True))
 
-    def _ffi_call(self, *args: jax.Array) -> tuple[jax.Array, ...]:
+    def _local_call(self, *args: jax.Array) -> tuple[jax.Array, ...]:
+        # One device's call (the whole call when nothing is sharded): `_partition` runs it on
+        # each shard's operands.
+        if self._kernel is not None:
+            return tuple(self._kernel(*args))
         named = dict(zip(self.names, args, strict=True))
         call = jax.ffi.ffi_call(
             self.target, tuple(self._shapes(named)), input_output_aliases=self._aliases or None
@@ -285,12 +320,32 @@ def compiled_vjp(forward: Callable, backward: Callable) -> Callable:
         return tuple(backward(static, residuals, cotangents))
 
     primitive.defvjp(fwd, bwd, symbolic_zeros=True)
-    return primitive
+
+    def call(static, *args):
+        # Inside `jax.shard_map` every operand varies over the same axes, so each cotangent has
+        # its primal's type (JAX sums the cotangent of an operand that did not vary).
+        return primitive(static, *unify_vma(args))
+
+    return call
 
 
 def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
     """Sum over `axis` (kept as size 1) by pairwise halving: elementwise adds only, so the result
-    never depends on how XLA splits a reduction over threads (its own reductions do)."""
+    never depends on how XLA splits a reduction over threads (its own reductions do). Under
+    sharding each device halves its own shard and a `psum` adds the shards' sums (halving across
+    devices would move data between them)."""
+    return _fixed_order_sum_over(axis)(x)
+
+
+@functools.cache
+def _fixed_order_sum_over(axis: int) -> Callable[[jax.Array], jax.Array]:
+    def local(x: jax.Array) -> jax.Array:
+        return _halving_sum(x, axis)
+
+    return sharded_reduction(local, axis)
+
+
+def _halving_sum(x: jax.Array, axis: int) -> jax.Array:
     while x.shape[axis] > 1:
         n = x.shape[axis]
         half = n // 2
@@ -403,9 +458,11 @@ def probs_kernel_primitive(fwd_target: str, bwd_target: str) -> Callable:
 
         attrs = attention_attrs(options)
         forward = KernelOp(fwd_target, CANONICAL_OPERANDS, ("out", "lse", "max", "probs"),
-                           forward_shapes, attrs, sequential_if_present=("rng_state",))
+                           forward_shapes, attrs, sequential_if_present=("rng_state",),
+                       dropout=("rng_state", True))
         backward = KernelOp(bwd_target, CANONICAL_OPERANDS + _PROBS_BACKWARD_EXTRA, GRADIENTS,
-                            gradient_shapes, attrs, sequential_if_present=("rng_state",))
+                            gradient_shapes, attrs, sequential_if_present=("rng_state",),
+                       dropout=("rng_state", True))
         return forward, backward
 
     def forward(options, named, write_probs):

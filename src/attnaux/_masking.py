@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._partition import match_vma, vma
+
 Canonical = Any  # `_canon.Canonical`: the canonical arrays of a call
 Options = Any  # `_canon.Options`: its static options
 
@@ -93,8 +95,11 @@ def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array
             cols = cols.reshape(bsz, kv_heads, group, block).any(axis=2)
         return rows_used | visible.any(axis=3), cols
 
+    # The carry varies over the manual axes of `jax.shard_map` like the arrays it is built from.
+    axes = frozenset().union(*(vma(x) for x in arrays if x is not None))
     rows_used, cols = jax.lax.scan(
-        step, jnp.zeros((bsz, heads, q_seq), bool), jnp.arange(n_blocks, dtype=jnp.int32)
+        step, match_vma(jnp.zeros((bsz, heads, q_seq), bool), axes),
+        jnp.arange(n_blocks, dtype=jnp.int32),
     )
     cols = cols.transpose(1, 0, 3, 2).reshape(bsz, n_blocks * block, -1)[:, :kv_seq]
     return rows_used.transpose(0, 2, 1), cols

@@ -121,10 +121,12 @@ def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
     attrs = attention_attrs(options)
     forward = KernelOp(FWD_TARGET, CANONICAL_OPERANDS + (("scores", BATCH),),
                        ("probs", "weights", "lse", "max"), _forward_shapes, attrs,
-                       sequential_if_present=("rng_state",))
+                       sequential_if_present=("rng_state",),
+                       dropout=("rng_state", True))
     backward = KernelOp(BWD_TARGET, CANONICAL_OPERANDS + _BACKWARD_EXTRA,
                         ("ds", "weights", "dbias"), _backward_shapes, attrs,
-                        sequential_if_present=("rng_state",))
+                        sequential_if_present=("rng_state",),
+                       dropout=("rng_state", True))
     return forward, backward
 
 

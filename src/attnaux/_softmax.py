@@ -8,14 +8,12 @@ Two implementations keep one contract (`docs/softmax_abi.md`):
 - `reference`: the same arithmetic in plain JAX (float32 inside; float64 for float64 logits), with
   the same `custom_vjp` backward formula, so fully masked rows get zero gradients on both.
 
-Both work on a canonical form: logits `[N, q_seq, kv_seq]` (all leading dimensions flattened) and
-a mask `[mask_n, 1 or q_seq, 1 or kv_seq]` that logits matrix `n` reads at `(n // mask_div) %
-mask_n`, which covers every broadcast of a mask over batch and heads without materialising it.
+Both take the logits with their leading dimensions as they are (so each may be sharded; the
+kernel flattens them per device) and the mask padded to the logits' rank, broadcasting.
 """
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -110,34 +108,6 @@ def _statics(scale: Any, causal: Any, backend: Any) -> dict:
     )
 
 
-def _mask_layout(shape: tuple[int, ...], padded: tuple[int, ...] | None):
-    """`(mask_div, kept)`: the canonical mask reads `(n // mask_div) % mask_n`, where the
-    mask's leading dims `kept = (first, last)` (a slice of the batch dims, broadcast in between)
-    span `mask_n`; `kept = None` when the mask does not vary over the leading dims."""
-    lead = shape[:-2]
-    if padded is None:
-        return 1, None
-    varying = [
-        d for d, (m, s) in enumerate(zip(padded[:-2], lead, strict=True)) if m == s and s != 1
-    ]
-    if not varying:
-        return 1, None
-    first, last = varying[0], varying[-1]
-    return math.prod(lead[last + 1 :]), (first, last)
-
-
-def _canonical_mask(mask: jax.Array, shape: tuple[int, ...], padded, kept) -> jax.Array:
-    lead = shape[:-2]
-    mq, mkv = padded[-2:]
-    if kept is None:
-        return mask.reshape((1, mq, mkv))
-    first, last = kept
-    m = mask.reshape(padded[first:])  # the dims before `first` are all 1
-    m = m.reshape((*padded[first : last + 1], mq, mkv))  # so are the dims after `last`
-    m = jnp.broadcast_to(m, (*lead[first : last + 1], mq, mkv))
-    return m.reshape((math.prod(lead[first : last + 1]), mq, mkv))
-
-
 # ------------------------------------------------------------------------------------------------
 # Kernel availability
 # ------------------------------------------------------------------------------------------------
@@ -223,12 +193,13 @@ def _softmax_jit(logits, mask, *, scale, causal, backend):
     shape, dtype = _check_logits(logits)
     padded = _check_mask(mask, shape)
     choice = choose_softmax(backend, dtype)
-    mask_div, kept = _mask_layout(shape, padded)
-    options = SoftmaxOptions(scale=scale, causal=causal, mask_div=mask_div)
-    lead, (q_seq, kv_seq) = shape[:-2], shape[-2:]
-    logits3 = logits.reshape((math.prod(lead), q_seq, kv_seq))
-    mask3 = None if mask is None else _canonical_mask(mask, shape, padded, kept)
-    probs, lse, row_max = choice.module.run(options, logits3, mask3)
+    options = SoftmaxOptions(scale=scale, causal=causal)
+    # The backends take at least one leading dim, and the mask at the logits' rank; the leading
+    # dims stay as they are (not flattened), so any of them may be sharded.
+    lead = shape[:-2] or (1,)
+    logits_n = logits.reshape((*lead, *shape[-2:]))
+    mask_n = None if mask is None else mask.reshape((1,) * (len(lead) + 2 - len(padded)) + padded)
+    probs, lse, row_max = choice.module.run(options, logits_n, mask_n)
     aux = AttnAux(
         lse=lse.reshape(shape[:-1]),
         max=jax.lax.stop_gradient(row_max.reshape(shape[:-1])),

@@ -1,9 +1,11 @@
 """The softmax's `kernel` backend: compiled forward and backward (`attnaux_softmax_fwd` /
 `attnaux_softmax_bwd`), C++ on CPU and attnaux's CUDA kernels on GPU under the same targets
 (`docs/softmax_abi.md`). Through the kernel-call layer, `jax.vmap` folds the mapped axis into
-the kernel's leading dimension, so a vmapped call is one launch."""
+the kernel's leading dimension, so a vmapped call is one launch. The operands keep the caller's
+leading dims (so any of them may be sharded); each device flattens its shard for the kernel."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from ._kernel_call import (
     compiled_vjp,
     present,
 )
+from ._partition import leading_layout
 
 FWD_TARGET = "attnaux_softmax_fwd"
 BWD_TARGET = "attnaux_softmax_bwd"
@@ -37,43 +40,92 @@ def unavailable(dtype: jnp.dtype, platform: str) -> str | None:
     return None
 
 
-def _mask_fold(options: SoftmaxOptions):
-    def fold(axis_size: int, batched: bool, mask: jax.Array, n: int) -> jax.Array:
-        if batched and present(mask[0]):
-            # Logits matrix a * n + r must read mask matrix a * mask_n + (r // div) % mask_n:
-            # true for `(. // div) % (axis_size * mask_n)` once the mask spans all of n / div.
-            mask_n = mask.shape[1]
-            outer = n // (options.mask_div * mask_n) if n else 1
-            mask = jnp.broadcast_to(mask[:, None], (axis_size, outer, *mask.shape[1:]))
-            return mask.reshape((axis_size * outer * mask_n, *mask.shape[3:]))
-        # An unbatched mask needs nothing: (a * n + r) // div % mask_n == r // div % mask_n
-        # because n is a multiple of div * mask_n.
-        return mask[0] if batched else mask
+def mask_layout(shape: tuple[int, ...], padded: tuple[int, ...]):
+    """`(mask_div, kept)` of the kernel's canonical mask (`docs/softmax_abi.md`): it reads
+    matrix `(n // mask_div) % mask_n`, where the mask's leading dims `kept = (first, last)` (a
+    slice of the leading dims, broadcast in between) span `mask_n`; `kept = None` when the mask
+    does not vary over the leading dims."""
+    lead = shape[:-2]
+    varying = [
+        d for d, (m, s) in enumerate(zip(padded[:-2], lead, strict=True)) if m == s and s != 1
+    ]
+    if not varying:
+        return 1, None
+    first, last = varying[0], varying[-1]
+    return math.prod(lead[last + 1 :]), (first, last)
 
-    return fold
+
+def canonical_mask(mask: jax.Array, shape: tuple[int, ...], kept) -> jax.Array:
+    """The mask (padded to the logits' rank) as the kernel's `[mask_n, 1|q_seq, 1|kv_seq]`."""
+    lead = shape[:-2]
+    mq, mkv = mask.shape[-2:]
+    if kept is None:
+        return mask.reshape((1, mq, mkv))
+    first, last = kept
+    m = mask.reshape(mask.shape[first:])  # the dims before `first` are all 1
+    m = m.reshape((*mask.shape[first : last + 1], mq, mkv))  # so are the dims after `last`
+    m = jnp.broadcast_to(m, (*lead[first : last + 1], mq, mkv))
+    return m.reshape((math.prod(lead[first : last + 1]), mq, mkv))
+
+
+def _layout(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    # The operands keep the caller's leading dims (each may be sharded); the kernel sees them
+    # flattened, per device (`_forward_kernel`), so no sharding ever needs a reshuffle.
+    if tuple(shape) == (0,):
+        return ("absent",)
+    trailing = ("q_seq",) if name in ("lse", "max", "dlse") else ("q_seq", "kv_seq")
+    return leading_layout(len(shape), trailing)
+
+
+def _forward_kernel(options: SoftmaxOptions):
+    def kernel(logits: jax.Array, mask: jax.Array):
+        shape = logits.shape
+        lead, (q_seq, kv_seq) = shape[:-2], shape[-2:]
+        n = math.prod(lead)
+        mask_div = 1
+        if present(mask):
+            mask_div, kept = mask_layout(shape, mask.shape)
+            mask = canonical_mask(mask, shape, kept)
+        stats = jax.ShapeDtypeStruct((n, q_seq), jnp.float32)
+        call = jax.ffi.ffi_call(
+            FWD_TARGET, (jax.ShapeDtypeStruct((n, q_seq, kv_seq), logits.dtype), stats, stats)
+        )
+        probs, lse, row_max = call(
+            logits.reshape((n, q_seq, kv_seq)), mask, scale=np.float32(options.scale),
+            causal=np.int32(options.causal), mask_div=np.int64(mask_div),
+        )
+        return probs.reshape(shape), lse.reshape(shape[:-1]), row_max.reshape(shape[:-1])
+
+    return kernel
+
+
+def _backward_kernel(options: SoftmaxOptions):
+    # dlogits overwrites probs in place (each row is read whole before it is written), so the
+    # backward allocates nothing when probs is dead after it, as it is in a vjp; XLA copies
+    # first where probs is still needed.
+    def kernel(probs: jax.Array, dprobs: jax.Array, dlse: jax.Array):
+        shape = probs.shape
+        n = math.prod(shape[:-2])
+        flat = (n, *shape[-2:])
+        call = jax.ffi.ffi_call(
+            BWD_TARGET, jax.ShapeDtypeStruct(flat, probs.dtype), input_output_aliases={0: 0}
+        )
+        dlogits = call(probs.reshape(flat), dprobs.reshape(flat), dlse.reshape(flat[:2]),
+                       scale=np.float32(options.scale))
+        return (dlogits.reshape(shape),)
+
+    return kernel
 
 
 @functools.cache
 def _ops(options: SoftmaxOptions) -> tuple[KernelOp, KernelOp]:
-    def forward_shapes(ops):
-        logits = ops["logits"]
-        stats = jax.ShapeDtypeStruct(logits.shape[:2], jnp.float32)
-        return jax.ShapeDtypeStruct(logits.shape, logits.dtype), stats, stats
-
     forward = KernelOp(
         FWD_TARGET, (("logits", BATCH), ("mask", BROADCAST)), ("probs", "lse", "max"),
-        forward_shapes,
-        dict(scale=np.float32(options.scale), causal=np.int32(options.causal),
-             mask_div=np.int64(options.mask_div)),
-        folds={"mask": _mask_fold(options)},
+        None, {}, layout=_layout, kernel=_forward_kernel(options),
     )
-    # dlogits overwrites probs in place (each row is read whole before it is written), so the
-    # backward allocates nothing when probs is dead after it, as it is in a vjp; XLA copies
-    # first where probs is still needed.
     backward = KernelOp(
         BWD_TARGET, (("probs", BATCH), ("dprobs", BATCH), ("dlse", BATCH)), ("dlogits",),
-        lambda ops: (jax.ShapeDtypeStruct(ops["probs"].shape, ops["probs"].dtype),),
-        dict(scale=np.float32(options.scale)), aliases={0: 0},
+        None, {}, layout=_layout, kernel=_backward_kernel(options),
     )
     return forward, backward
 
@@ -95,5 +147,6 @@ _primitive = compiled_vjp(_forward, _backward)
 
 
 def run(options: SoftmaxOptions, logits: jax.Array, mask: jax.Array | None):
-    """`(probs, lse, max)` of logits `[N, q_seq, kv_seq]` with the canonical mask or None."""
+    """`(probs, lse, max)` of logits `[*lead, q_seq, kv_seq]` (at least one leading dim) with the
+    mask padded to the logits' rank, or None."""
     return _primitive(options, logits, absent(jnp.bool_) if mask is None else mask)

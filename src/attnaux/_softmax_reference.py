@@ -10,21 +10,17 @@ from ._kernel_call import compiled_vjp
 
 
 def _visible(options: SoftmaxOptions, shape: tuple[int, ...], mask: jax.Array | None):
-    """`bool` visibility broadcastable to logits `[N, q_seq, kv_seq]`, or None (all visible)."""
-    n, q_seq, kv_seq = shape
+    """`bool` visibility broadcastable to logits `[*lead, q_seq, kv_seq]`, or None (all
+    visible); `mask` is padded to the logits' rank."""
+    q_seq, kv_seq = shape[-2:]
     visible = None
     if options.causal:
         offset = kv_seq - q_seq if options.causal == 2 else 0
         i = jnp.arange(q_seq)[:, None]
         j = jnp.arange(kv_seq)[None, :]
-        visible = (j <= i + offset)[None]
+        visible = j <= i + offset
     if mask is not None:
-        mask_n = mask.shape[0]
-        outer = n // (options.mask_div * mask_n) if n else 0
-        m = jnp.broadcast_to(
-            mask[None, :, None], (outer, mask_n, options.mask_div, *mask.shape[1:])
-        ).reshape((n, *mask.shape[1:]))
-        visible = m if visible is None else visible & m
+        visible = mask if visible is None else visible & mask
     return visible
 
 
@@ -71,5 +67,6 @@ _primitive = compiled_vjp(_forward, _backward)
 
 
 def run(options: SoftmaxOptions, logits: jax.Array, mask: jax.Array | None):
-    """`(probs, lse, max)` of logits `[N, q_seq, kv_seq]` with the canonical mask or None."""
+    """`(probs, lse, max)` of logits `[*lead, q_seq, kv_seq]` with the mask padded to the
+    logits' rank, or None."""
     return _primitive(options, logits, mask)
