@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HAS_FLASH
 
 from attnaux import _ffi
 from attnaux._internal import canonical_problem
 from attnaux._partition import dropout_origin
-from conftest import HAS_FLASH
 
 B, S, H, KV, D = 4, 24, 4, 2, 8
 RATE = 0.4
