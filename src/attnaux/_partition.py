@@ -179,16 +179,20 @@ class Plan:
         self.grid = grid.reshape(*self.ways.values(), -1)
 
     def _unshardable(self, name: str, dim: int, label: str, ways: int) -> str:
-        where = f"`{name}` is sharded along its {label} axis (dim {dim}), split {ways} ways"
+        return self._unshardable_message(self.what, name, dim, label, f"split {ways} ways")
+
+    @staticmethod
+    def _unshardable_message(what: str, name: str, dim: int, label: str, how: str) -> str:
+        where = f"`{name}` is sharded along its {label} axis (dim {dim}), {how}"
         if label in ("q_seq", "kv_seq"):
             return (
-                f"{self.what}: {where}. The compiled kernels partition over batch and heads "
+                f"{what}: {where}. The compiled kernels partition over batch and heads "
                 "only; attention over a sharded sequence is context parallelism: use "
                 "`attnaux.parallel` (ring or all-gather of k and v), or replicate the sequence "
                 "first (`jax.lax.with_sharding_constraint(x, P(..., None, ...))`)."
             )
         return (
-            f"{self.what}: {where}. The compiled kernels partition over batch and heads only; "
+            f"{what}: {where}. The compiled kernels partition over batch and heads only; "
             "replicate that axis first (`jax.lax.with_sharding_constraint`)."
         )
 
@@ -410,6 +414,7 @@ def partitioned(
     indexed = build(operand_names + _INDEX_OPERANDS, True) if dropout and dropout[1] else None
 
     def call(*args):
+        _check_explicit(what, layout, operand_names, args)
         if indexed is not None and args[operand_names.index(dropout[0])].shape != (0,):
             named = dict(zip(operand_names, args, strict=True))
             bsz, _, q_heads, _ = named["q"].shape
@@ -418,6 +423,21 @@ def partitioned(
         return plain(*args)
 
     return call
+
+
+def _check_explicit(what: str, layout: Layout, names: Sequence[str], args: Sequence[Any]) -> None:
+    """With explicitly sharded inputs (a mesh of `Explicit` axes) the shardings are known while
+    tracing: an unsupported one fails here, naming the mesh axes, rather than at compile time."""
+    for name, x in zip(names, args, strict=True):
+        spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+        if not spec:
+            continue
+        for dim, (label, entry) in enumerate(zip(layout(name, x.shape), spec)):
+            if entry is not None and not shardable(label):
+                axes = entry if isinstance(entry, tuple) else (entry,)
+                raise ValueError(
+                    Plan._unshardable_message(what, name, dim, label, f"over mesh axes {axes}")
+                )
 
 
 def sharded_reduction(local: Callable[[jax.Array], jax.Array], axis: int) -> Callable:

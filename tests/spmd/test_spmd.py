@@ -218,6 +218,20 @@ def test_unsupported_shardings_raise(mesh, spec, heads, kv_heads, pattern):
         fwd(sq, sk, sv)
 
 
+def test_explicit_mesh_partitions_and_raises_while_tracing():
+    """A mesh of Explicit axes: batch sharding partitions; a sharded sequence is a ValueError
+    raised while tracing (the shardings are in the types), naming the mesh axes."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    q, k, v = inputs()
+    fwd = jax.jit(lambda q, k, v: ax.attention(q, k, v, backend="flash", causal=True))
+    out, aux = fwd(*put(mesh, P("data", None, "model"), q, k, v))
+    assert padded(out.sharding.spec)[:3] == ("data", None, "model")
+    close(out, ax.attention(q, k, v, backend="flash", causal=True)[0], OUT_TOL, "out")
+    with pytest.raises(ValueError, match=r"q_seq axis \(dim 1\), over mesh axes \('data',\)"):
+        fwd(*put(mesh, P(None, "data"), q, k, v))
+
+
 # ------------------------------------------------------------------------------------------------
 # shard_map
 # ------------------------------------------------------------------------------------------------
