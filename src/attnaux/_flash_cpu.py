@@ -20,6 +20,7 @@ from ._kernel_call import (
     attention_primitive,
     attention_shapes,
     gradient_shapes,
+    kernel_operands,
 )
 from ._masking import zero_hidden_rows
 
@@ -65,3 +66,14 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
     out, lse, row_max, _ = _primitive(zero_hidden_rows(arrays, options), options, False)
     return out, lse, row_max, None
 
+
+
+def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
+    """`(dq, dk, dv)` of one block of a larger attention (context parallelism): the backward
+    kernel with the *whole* problem's `out` and `lse` in place of the block's own, so that it
+    recomputes the whole problem's probabilities on this block's keys, `P = exp(s - lse)`, and
+    its row term `D = rowsum(dout * out) - dlse`: the block's exact share of the gradients."""
+    arrays = zero_hidden_rows(arrays, options)
+    ops = kernel_operands(arrays)
+    dq, dk, dv, _ = _backward(options, ops, out, lse, None, dout, dlse, None)
+    return dq, dk, dv

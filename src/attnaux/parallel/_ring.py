@@ -1,0 +1,543 @@
+"""Context parallelism: exact attention over a sequence sharded along a mesh axis.
+
+Each device holds one block of the sequence (`layout="contiguous"`: block `i` of `n`) or two
+chunks of it (`layout="zigzag"`: chunks `i` and `2n - 1 - i` of `2n`, so that under a causal mask
+every device has the same work). Its queries attend to every key block in turn:
+
+- `strategy="ring"`: the key/value blocks travel around the ring (`jax.lax.ppermute`, sent
+  before the block in hand is computed, so the transfer can overlap the compute); n - 1 hops.
+- `strategy="allgather"`: the key/value blocks are gathered once, then visited locally.
+
+Each (query chunk, key chunk) pair is one call of the compiled kernels with the masks at global
+positions: a pair entirely above the causal diagonal is skipped (costs nothing), a pair on it is
+a causal block, the others are full blocks; segment ids travel with their keys, sequence lengths
+are global. The partial results are merged by their log-sum-exp (the `AttnAux` statistics), so
+`out`, `lse` and `max` are exact. The backward is a ring too: each key block's `dk`, `dv` travel
+with it and arrive home after n hops; every block's share comes from the backward kernel run
+with the whole problem's `out` and `lse` (`block_backward` of the backend), exact, with the
+gradient through `aux.lse`. Dropout draws the unsharded call's keep-mask: each block's kernel
+gets its origin in the whole problem (the 12-word dropout state of `docs/kernel_abi.md`).
+"""
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._aux import AttnAux
+from .._canon import Canonical, Options, canonicalize, parse_statics, rng_state_from_key
+from .._ffi import target_unavailable
+from .._partition import unify_vma, vma
+
+STRATEGIES = ("ring", "allgather")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+class _Config(NamedTuple):
+    """The static part of one context-parallel call (hashable: keys the custom_vjp)."""
+
+    axis_name: Any
+    strategy: str
+    layout: str
+    options: Options  # the block calls' options (causal and the window set per block)
+    causal: bool
+    has_seqlens: bool
+    has_segments: bool
+    has_sink: bool
+    backend: Any  # the backend module: run(arrays, options, False), block_backward(...)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout helpers (on global arrays, before sharding / after gathering)
+# ------------------------------------------------------------------------------------------------
+def zigzag(x: jax.Array, num_devices: int, *, axis: int) -> jax.Array:
+    """Permutes the sequence axis `axis` of a global array into the load-balanced layout: split
+    into `2 * num_devices` chunks, device `i` holds chunks `i` and `2 * num_devices - 1 - i`
+    (so sharding the result along `axis` over `num_devices` devices gives each device one early
+    and one late chunk, and the same work under a causal mask). `unzigzag` undoes it.
+
+    **Arguments:**
+
+    - `x`: an array with the sequence along `axis` (q, k, v, segment ids, the output).
+    - `num_devices`: the size of the mesh axis that shards the sequence.
+    - `axis`: the sequence axis (e.g. `-3` for `[*batch, seq, heads, dim]`, `-1` for segment
+      ids `[*batch, seq]` and for `aux.lse` `[*batch, heads, seq]`).
+    """
+    chunks = _chunks(x, num_devices, axis)
+    order = [c for i in range(num_devices) for c in (i, 2 * num_devices - 1 - i)]
+    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def unzigzag(x: jax.Array, num_devices: int, *, axis: int) -> jax.Array:
+    """The inverse of `zigzag`: the sequence axis back in its natural order."""
+    chunks = _chunks(x, num_devices, axis)
+    order = [c for i in range(num_devices) for c in (i, 2 * num_devices - 1 - i)]
+    natural = [None] * len(order)
+    for position, c in enumerate(order):
+        natural[c] = chunks[position]
+    return jnp.concatenate(natural, axis=axis)
+
+
+def _chunks(x: jax.Array, num_devices: int, axis: int) -> list[jax.Array]:
+    length = x.shape[axis]
+    if num_devices < 1 or length % (2 * num_devices):
+        raise ValueError(
+            f"the zigzag layout splits the sequence into 2 * num_devices = {2 * num_devices} "
+            f"equal chunks; got a sequence of {length} along axis {axis}."
+        )
+    return jnp.split(x, 2 * num_devices, axis=axis)
+
+
+# ------------------------------------------------------------------------------------------------
+# One (query chunk, key chunk) block
+# ------------------------------------------------------------------------------------------------
+def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, k0, totals):
+    """The canonical arrays of the block whose queries start at global position `q0` and keys
+    at `k0` (dynamic), with the global lengths and the dropout origin."""
+    bsz, q_chunk = q.shape[:2]
+    kv_chunk = k.shape[1]
+    if cfg.has_seqlens:
+        ql = jnp.clip(q_len - q0, 0, q_chunk).astype(jnp.int32)
+        kl = jnp.clip(kv_len - k0, 0, kv_chunk).astype(jnp.int32)
+    else:
+        ql = jnp.full((bsz,), q_chunk, jnp.int32)
+        kl = jnp.full((bsz,), kv_chunk, jnp.int32)
+    if rng is not None:
+        heads, q_total, kv_total = totals
+        words = jnp.stack([jnp.uint32(0), jnp.uint32(0), q0.astype(jnp.uint32),
+                           k0.astype(jnp.uint32), jnp.uint32(heads), jnp.uint32(q_total),
+                           jnp.uint32(kv_total), jnp.uint32(0)])
+        rng = jnp.concatenate([rng.astype(jnp.uint32), words])
+    return Canonical(q=q, k=k, v=v, bias=None, mask=None, q_seqlens=ql, kv_seqlens=kl,
+                     q_segment_ids=q_seg, kv_segment_ids=kv_seg, sink=None, rng_state=rng)
+
+
+def _kind(cfg: _Config, q_chunk_id, kv_chunk_id):
+    """0: a full block, 1: a causal block (on the diagonal), 2: a hidden block (skipped)."""
+    if not cfg.causal:
+        return jnp.int32(0)
+    return jnp.where(kv_chunk_id < q_chunk_id, 0, jnp.where(kv_chunk_id == q_chunk_id, 1, 2))
+
+
+def _block_forward(cfg: _Config, kind, arrays: Canonical):
+    bsz, q_chunk, q_heads, _ = arrays.q.shape
+    v_dim = arrays.v.shape[-1]
+
+    def compute(causal):
+        def run(a):
+            out, lse, row_max, _ = cfg.backend.run(a, cfg.options._replace(causal=causal), False)
+            return out.astype(jnp.float32), lse, row_max
+        return run
+
+    def skip(a):  # (varying over the manual axes like the block's operands)
+        none = jnp.full((bsz, q_heads, q_chunk), -jnp.inf, jnp.float32)
+        zeros = jnp.zeros((bsz, q_chunk, q_heads, v_dim), jnp.float32)
+        return unify_vma((zeros, none, none, a.q, a.k))[:3]
+
+    branches = [compute(0), compute(1), skip] if cfg.causal else [compute(0)]
+    return jax.lax.switch(kind, branches, arrays) if cfg.causal else compute(0)(arrays)
+
+
+def _block_backward(cfg: _Config, kind, arrays: Canonical, out, lse, dout, dlse):
+    def compute(causal):
+        def run(a, out, lse, dout, dlse):
+            dq, dk, dv = cfg.backend.block_backward(
+                a, cfg.options._replace(causal=causal), out, lse, dout, dlse
+            )
+            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+        return run
+
+    def skip(a, *rest):
+        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (a.q, a.k, a.v))
+        return unify_vma((*zeros, a.q, a.k, *rest))[:3]
+
+    args = (arrays, out, lse, dout, dlse)
+    if not cfg.causal:
+        return compute(0)(*args)
+    return jax.lax.switch(kind, [compute(0), compute(1), skip], *args)
+
+
+def _merge(acc, part):
+    """Adds a block's `(out, lse, max)` to the running `(out, lse, max)` (float32; a row that
+    saw nothing yet has lse = -inf)."""
+    out_a, lse_a, max_a = acc
+    out_b, lse_b, max_b = part
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    wa = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
+    wb = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
+    out = (out_a * wa.transpose(0, 2, 1)[..., None] + out_b * wb.transpose(0, 2, 1)[..., None])
+    return out, lse, jnp.maximum(max_a, max_b)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ring
+# ------------------------------------------------------------------------------------------------
+def _geometry(cfg: _Config, seq: int):
+    """`(n, me, chunks, chunk_len, ids(device))`: the axis size, this device's index, chunks per
+    device and their length, and a function giving a device's global chunk ids."""
+    n = jax.lax.axis_size(cfg.axis_name)
+    me = jax.lax.axis_index(cfg.axis_name)
+    chunks = 2 if cfg.layout == "zigzag" else 1
+    if seq % chunks:
+        raise ValueError(
+            f"the zigzag layout holds two equal chunks per device; got a local sequence of {seq}."
+        )
+
+    def ids(device):
+        if chunks == 1:
+            return (device,)
+        return (device, 2 * n - 1 - device)
+
+    return n, me, chunks, seq // chunks, ids
+
+
+def _split(x, chunks: int):
+    return [x] if chunks == 1 or x is None else jnp.split(x, chunks, axis=1)
+
+
+def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink):
+    bsz, seq, q_heads, _ = q.shape
+    v_dim = v.shape[-1]
+    n, me, chunks, chunk, ids = _geometry(cfg, seq)
+    totals = (q_heads, n * seq, n * seq)
+    q_parts, qs_parts = _split(q, chunks), _split(q_seg, chunks) if cfg.has_segments else None
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def visit(acc, kv_block, src):
+        k_b, v_b, kvs_b = kv_block
+        k_parts, v_parts = _split(k_b, chunks), _split(v_b, chunks)
+        ks_parts = _split(kvs_b, chunks) if cfg.has_segments else None
+        new = []
+        for qi, q_id in enumerate(ids(me)):
+            acc_i = acc[qi]
+            for ki, k_id in enumerate(ids(src)):
+                arrays = _block_arrays(
+                    cfg, q_parts[qi], k_parts[ki], v_parts[ki],
+                    qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
+                    q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
+                )
+                acc_i = _merge(acc_i, _block_forward(cfg, _kind(cfg, q_id, k_id), arrays))
+            new.append(acc_i)
+        return new
+
+    def empty():
+        none = jnp.full((bsz, q_heads, chunk), -jnp.inf, jnp.float32)
+        return (jnp.zeros((bsz, chunk, q_heads, v_dim), jnp.float32), none, none)
+
+    acc = [empty() for _ in range(chunks)]
+    acc = [tuple(unify_vma((*a, q))[:3]) for a in acc]
+    kv_block = (k, v, kv_seg if cfg.has_segments else jnp.zeros((bsz, seq), jnp.int32))
+    kv_block = tuple(unify_vma((*kv_block, q))[:3])
+    if cfg.strategy == "allgather":
+        gathered = tuple(jax.lax.all_gather(x, cfg.axis_name) for x in kv_block)
+
+        def step(s, acc):
+            src = (me - s) % n
+            return visit(acc, tuple(g[src] for g in gathered), src)
+
+        acc = jax.lax.fori_loop(0, n, step, acc)
+    else:
+        def step(s, carry):
+            acc, kv_block = carry
+            src = (me - s) % n
+            # The next block is sent before this one is computed, so the two can overlap.
+            following = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), kv_block)
+            return visit(acc, kv_block, src), following
+
+        acc, _ = jax.lax.fori_loop(0, n, step, (acc, kv_block))
+    out = jnp.concatenate([a[0] for a in acc], axis=1)
+    lse = jnp.concatenate([a[1] for a in acc], axis=2)
+    row_max = jnp.concatenate([a[2] for a in acc], axis=2)
+    if cfg.has_sink:
+        s = sink.astype(jnp.float32)[None, :, None]
+        total = jnp.logaddexp(lse, s)
+        out = out * jnp.exp(lse - total).transpose(0, 2, 1)[..., None]
+        lse = total
+    return out.astype(q.dtype), lse, row_max
+
+
+def _ring_backward(cfg: _Config, residuals, dout, dlse):
+    q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink, out, lse = residuals
+    bsz, seq, q_heads, _ = q.shape
+    n, me, chunks, chunk, ids = _geometry(cfg, seq)
+    totals = (q_heads, n * seq, n * seq)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    split_q = functools.partial(_split, chunks=chunks)
+    q_parts, out_parts, dout_parts = split_q(q), split_q(out), split_q(dout)
+    lse_parts = [lse] if chunks == 1 else jnp.split(lse, chunks, axis=2)
+    dlse_parts = [dlse] if chunks == 1 else jnp.split(dlse, chunks, axis=2)
+    qs_parts = split_q(q_seg) if cfg.has_segments else None
+
+    def visit(dq_parts, kv_block, grads_block, src):
+        k_b, v_b, kvs_b = kv_block
+        dk_b, dv_b = grads_block
+        k_parts, v_parts = _split(k_b, chunks), _split(v_b, chunks)
+        ks_parts = _split(kvs_b, chunks) if cfg.has_segments else None
+        dk_parts, dv_parts = _split(dk_b, chunks), _split(dv_b, chunks)
+        dq_parts = list(dq_parts)
+        for qi, q_id in enumerate(ids(me)):
+            for ki, k_id in enumerate(ids(src)):
+                arrays = _block_arrays(
+                    cfg, q_parts[qi], k_parts[ki], v_parts[ki],
+                    qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
+                    q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
+                )
+                dq, dk, dv = _block_backward(cfg, _kind(cfg, q_id, k_id), arrays,
+                                             out_parts[qi], lse_parts[qi], dout_parts[qi],
+                                             dlse_parts[qi])
+                dq_parts[qi] = dq_parts[qi] + dq
+                dk_parts[ki] = dk_parts[ki] + dk
+                dv_parts[ki] = dv_parts[ki] + dv
+        cat = (lambda xs: xs[0]) if chunks == 1 else (lambda xs: jnp.concatenate(xs, axis=1))
+        return dq_parts, (cat(dk_parts), cat(dv_parts))
+
+    zeros = [jnp.zeros(p.shape, jnp.float32) for p in q_parts]
+    dq_parts = [unify_vma((z, q))[0] for z in zeros]
+    kv_block = (k, v, kv_seg if cfg.has_segments else jnp.zeros((bsz, seq), jnp.int32))
+    kv_block = tuple(unify_vma((*kv_block, q))[:3])
+    grads = tuple(unify_vma((jnp.zeros(x.shape, jnp.float32), q))[0] for x in (k, v))
+    if cfg.strategy == "allgather":
+        gathered = tuple(jax.lax.all_gather(x, cfg.axis_name) for x in kv_block)
+        all_grads = tuple(jnp.zeros((n, *g.shape), jnp.float32) for g in grads)
+        all_grads = tuple(unify_vma((g, q))[0] for g in all_grads)
+
+        def step(s, carry):
+            dq_parts, all_grads = carry
+            src = (me - s) % n
+            block_grads = tuple(g[src] for g in all_grads)
+            dq_parts, block_grads = visit(dq_parts, tuple(g[src] for g in gathered),
+                                          block_grads, src)
+            all_grads = tuple(g.at[src].set(b) for g, b in zip(all_grads, block_grads))
+            return dq_parts, all_grads
+
+        dq_parts, all_grads = jax.lax.fori_loop(0, n, step, (dq_parts, all_grads))
+        dk, dv = (jax.lax.psum_scatter(g, cfg.axis_name, scatter_dimension=0, tiled=False)
+                  for g in all_grads)
+    else:
+        def step(s, carry):
+            dq_parts, kv_block, grads = carry
+            src = (me - s) % n
+            following = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), kv_block)
+            dq_parts, grads = visit(dq_parts, kv_block, grads, src)
+            # dk and dv travel with their block: after n hops they are home.
+            grads = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), grads)
+            return dq_parts, following, grads
+
+        dq_parts, _, (dk, dv) = jax.lax.fori_loop(0, n, step, (dq_parts, kv_block, grads))
+    dq = dq_parts[0] if chunks == 1 else jnp.concatenate(dq_parts, axis=1)
+    dsink = None
+    if cfg.has_sink:
+        # lse, out depend on the sink through lse only (as in the kernel-call layer).
+        row = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32),
+                         out.astype(jnp.float32)) - dlse
+        dsink = -jnp.sum(jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse) * row,
+                         axis=(0, 2))
+        if cfg.axis_name not in vma(sink):
+            dsink = jax.lax.psum(dsink, cfg.axis_name)
+        dsink = dsink.astype(sink.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsink
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink):
+    return _ring_forward(cfg, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink)
+
+
+def _ring_fwd(cfg, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink):
+    out, lse, row_max = _ring_forward(cfg, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink)
+    return (out, lse, row_max), (q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink, out, lse)
+
+
+def _ring_bwd(cfg, residuals, cotangents):
+    dout, dlse, _ = cotangents  # the row max carries no gradient
+    out, lse = residuals[-2], residuals[-1]
+    dout = jnp.zeros_like(out) if dout is None else dout
+    dlse = jnp.zeros_like(lse) if dlse is None else jnp.where(jnp.isfinite(lse), dlse, 0.0)
+    dq, dk, dv, dsink = _ring_backward(cfg, residuals, dout.astype(out.dtype),
+                                       dlse.astype(jnp.float32))
+    return (dq, dk, dv, None, None, None, None, None, dsink)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry points
+# ------------------------------------------------------------------------------------------------
+def _backend_module(backend: str, platform: str):
+    if backend not in ("auto", "flash"):
+        raise ValueError(
+            f"`backend` must be 'auto' or 'flash' for context parallelism (the ring runs the "
+            f"compiled flash kernels block by block); got {backend!r}."
+        )
+    if platform == "cpu":
+        from .. import _flash_cpu as module
+
+        why = target_unavailable(module.FWD_TARGET, "cpu")
+        if why is None:
+            return module
+        raise ValueError(f"context parallelism needs the compiled flash kernels: {why}.")
+    raise ValueError(
+        f"context parallelism runs on the compiled CPU flash kernels in this version; the "
+        f"{platform!r} platform's flash backend has no block backward yet."
+    )
+
+
+def _unsupported(name: str, why: str):
+    return ValueError(f"`{name}` is not supported by context parallelism: {why}.")
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: Any,
+    strategy: str = "ring",
+    layout: str = "contiguous",
+    scale: float | None = None,
+    causal: Any = False,
+    softcap: float | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sink: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    key: jax.Array | None = None,
+    backend: str = "auto",
+    **unsupported: Any,
+) -> tuple[jax.Array, AttnAux]:
+    """Exact attention over a sequence sharded along the mesh axis `axis_name`, called inside
+    `jax.shard_map` (each device passes its block; see the module docstring).
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: this device's block, `[*batch, seq_block, heads, dim]` (`k`, `v` with the
+      same block length: the sequence is self-attention length, split evenly).
+    - `axis_name`: the mesh axis (or tuple of axes) that shards the sequence.
+    - `strategy`: `"ring"` (key/value blocks travel around the ring, overlapping compute) or
+      `"allgather"` (gathered once; more memory, fewer steps of latency).
+    - `layout`: `"contiguous"` (device i holds block i) or `"zigzag"` (device i holds chunks i
+      and 2n - 1 - i; `attnaux.parallel.zigzag` permutes a global array into it), which
+      balances a causal mask.
+    - `causal`, `scale`, `softcap`, `sink`, `dropout_rate`, `key`: as in `attnaux.attention`,
+      at global positions (`causal=True`, `"top_left"` or `"bottom_right"`, which agree here).
+    - `q_seqlens`, `kv_seqlens`: global valid lengths `[*batch]` (the same on every device).
+    - `q_segment_ids`, `kv_segment_ids`: this device's block of the global ids `[*batch,
+      seq_block]`.
+    - `backend`: `"auto"` or `"flash"` (the compiled kernels).
+
+    **Returns:**
+
+    `(out, aux)` for this device's queries: `out` `[*batch, seq_block, heads, v_dim]`, `aux.lse`
+    and `aux.max` `[*batch, heads, seq_block]` exact for the whole sequence; gradients flow
+    through `out` and `aux.lse` (a ring backward). `aux.rng_state` is the dropout state, whose
+    keep-mask is the unsharded call's (`attnaux.introspect.dropout_mask` on the global arrays
+    replays it).
+    """
+    if unsupported:
+        name = next(iter(unsupported))
+        hint = {
+            "bias": "a dense [q_seq, kv_seq] bias has no block structure; use segment ids, "
+                    "lengths and causal",
+            "mask": "a dense [q_seq, kv_seq] mask has no block structure; use segment ids, "
+                    "lengths and causal",
+            "window": "sliding windows at global positions are not implemented yet",
+            "return_probs": "the probabilities of a long sequence are what context parallelism "
+                            "avoids materialising",
+        }.get(name, "unknown option")
+        raise _unsupported(name, hint)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}; got {strategy!r}.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS}; got {layout!r}.")
+    statics = parse_statics(scale=scale, causal=causal, window=None, softcap=softcap,
+                            dropout_rate=dropout_rate)
+    problem = canonicalize(q, k, v, statics, q_segment_ids=q_segment_ids,
+                           kv_segment_ids=kv_segment_ids, sink=sink, key=key)
+    arrays, options = problem.arrays, problem.options
+    if arrays.q.shape[1] != arrays.k.shape[1]:
+        raise ValueError(
+            "context parallelism splits one sequence for queries and keys alike: `q` and `k` "
+            f"must have the same block length; got {arrays.q.shape[1]} and {arrays.k.shape[1]}."
+        )
+    bsz = arrays.q.shape[0]
+    lens = []
+    for name, x in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens)):
+        if x is None:
+            lens.append(jnp.full((bsz,), jnp.iinfo(jnp.int32).max, jnp.int32))
+            continue
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != problem.batch_shape:
+            raise ValueError(
+                f"`{name}` must be an integer array of shape [*batch] = {problem.batch_shape} "
+                f"(the global length of each sequence); got {x.dtype} {x.shape}."
+            )
+        lens.append(jnp.clip(x.reshape(bsz), 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32))
+    platform = jax.default_backend() if jax.default_backend() != "gpu" else "gpu"
+    cfg = _Config(
+        axis_name=axis_name, strategy=strategy, layout=layout,
+        options=options._replace(causal=0, has_seqlens=True), causal=options.causal != 0,
+        has_seqlens=q_seqlens is not None or kv_seqlens is not None,
+        has_segments=arrays.q_segment_ids is not None, has_sink=arrays.sink is not None,
+        backend=_backend_module(backend, platform),
+    )
+    out, lse, row_max = _ring(
+        cfg, arrays.q, arrays.k, arrays.v, arrays.q_segment_ids, arrays.kv_segment_ids,
+        lens[0], lens[1], arrays.rng_state, arrays.sink,
+    )
+    batch = problem.batch_shape
+    aux = AttnAux(
+        lse=lse.reshape((*batch, *lse.shape[1:])),
+        max=jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:]))),
+        probs=None, rng_state=arrays.rng_state, backend="flash", dropout_impl="attnaux",
+    )
+    return out.reshape((*batch, *out.shape[1:])), aux
+
+
+def context_parallel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: Any,
+    **options: Any,
+) -> tuple[jax.Array, AttnAux]:
+    """`ring_attention` on global arrays sharded along their sequence by `axis_name` of `mesh`
+    (`NamedSharding` in, `NamedSharding` out): the `jax.shard_map` written for you.
+
+    `q`, `k`, `v` are `[*batch, seq, heads, dim]` with `seq` split evenly over the axis (in the
+    `layout` order: with `layout="zigzag"`, pass `attnaux.parallel.zigzag(x, n, axis=-3)` and
+    undo it on the output with `unzigzag`). Segment ids `[*batch, seq]` are sharded the same
+    way; lengths, the sink and the key are replicated. Returns `out` sharded like `q` and
+    `aux.lse`, `aux.max` `[*batch, heads, seq]` sharded along `seq`.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    nb = q.ndim - 3
+    seq_spec = P(*([None] * nb), axis_name)
+    rows_spec = P(*([None] * (nb + 1)), axis_name)
+    array_names = ("q_segment_ids", "kv_segment_ids", "q_seqlens", "kv_seqlens", "sink", "key")
+    arrays = {name: options.pop(name) for name in array_names if options.get(name) is not None}
+    specs = {"q_segment_ids": seq_spec, "kv_segment_ids": seq_spec}
+    names = tuple(arrays)
+
+    def local(q, k, v, *values):
+        out, aux = ring_attention(q, k, v, axis_name=axis_name,
+                                  **dict(zip(names, values, strict=True)), **options)
+        return out, aux.lse, aux.max
+
+    in_specs = (seq_spec, seq_spec, seq_spec, *(specs.get(n, P()) for n in names))
+    out, lse, row_max = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=(seq_spec, rows_spec, rows_spec),
+    )(q, k, v, *arrays.values())
+    rng = None
+    if "key" in arrays and options.get("dropout_rate", 0.0):
+        rng = rng_state_from_key(arrays["key"])
+    aux = AttnAux(lse=lse, max=row_max, probs=None, rng_state=rng, backend="flash",
+                  dropout_impl="attnaux")
+    return out, aux
