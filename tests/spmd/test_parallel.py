@@ -1,0 +1,229 @@
+"""Context parallelism (`attnaux.parallel`, issue 21) on 8 host CPU devices: the sequence
+sharded over 2, 4 or 8 devices gives the unsharded `attnaux.attention` (flash) result.
+
+Reference: `attnaux.attention(..., backend="flash")` on the whole sequence, one device (itself
+checked against float64 and pure-JAX references by the main suite). Tolerances, float32: the
+ring merges per-block softmax results by their lse (a different summation order than one
+kernel's running sums), so outputs and lse agree to ~1e-6; gradients pass through the merge and
+two more reductions, 1e-5 relative to their largest entry (sums over up to 64 keys).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import attnaux as ax
+import attnaux.parallel as par
+
+OUT_TOL, GRAD_TOL = 1e-5, 1e-5
+B, S, H, KV, D = 2, 64, 4, 2, 8
+
+
+def mesh_of(n):
+    return jax.make_mesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:n])
+
+
+def inputs(seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (B, S, H, D), dtype),
+            jax.random.normal(ks[1], (B, S, KV, D), dtype),
+            jax.random.normal(ks[2], (B, S, KV, D), dtype))
+
+
+def close(a, b, tol, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    finite = np.isfinite(b)
+    assert np.array_equal(np.isfinite(a), finite), f"{what}: non-finite entries differ"
+    scale = max(1.0, float(np.max(np.abs(b[finite])))) if finite.any() else 1.0
+    err = float(np.max(np.abs(np.where(finite, a - b, 0.0))))
+    assert err <= tol * scale, f"{what}: max |diff| {err:.3g} > {tol * scale:.3g}"
+
+
+def run_cp(n, strategy, layout, q, k, v, arrays=None, **options):
+    """out, lse, max and the gradient function through the jit-level entry, in natural order."""
+    arrays = dict(arrays or {})
+    mesh = mesh_of(n)
+    zz = layout == "zigzag"
+
+    def perm(x, axis):
+        return par.zigzag(x, n, axis=axis) if zz else x
+
+    def unperm(x, axis):
+        return par.unzigzag(x, n, axis=axis) if zz else x
+
+    def call(q, k, v, arrays):
+        seq_arrays = {name: perm(x, -1) if name.endswith("segment_ids") else x
+                      for name, x in arrays.items()}
+        out, aux = par.context_parallel_attention(
+            perm(q, 1), perm(k, 1), perm(v, 1), mesh=mesh, axis_name="sp", strategy=strategy,
+            layout=layout, **seq_arrays, **options)
+        return unperm(out, 1), unperm(aux.lse, 2), unperm(aux.max, 2)
+
+    return jax.jit(call), arrays
+
+
+def reference(q, k, v, arrays, **options):
+    out, aux = ax.attention(q, k, v, backend="flash", **arrays, **options)
+    return out, aux.lse, aux.max
+
+
+def loss_of(fn, arrays):
+    def loss(q, k, v, *params):
+        named = dict(arrays)
+        if params:
+            named["sink"] = params[0]
+        out, lse, _ = fn(q, k, v, named)
+        w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        return jnp.sum(out * w) + 0.3 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return loss
+
+
+CASES = [(n, s, lay, c) for n in (2, 4, 8) for s in ("ring", "allgather")
+         for lay in ("contiguous", "zigzag") for c in (False, True)]
+
+
+@pytest.mark.parametrize(("n", "strategy", "layout", "causal"), CASES,
+                         ids=[f"{n}-{s}-{lay}-{'causal' if c else 'full'}" for n, s, lay, c in CASES])
+def test_exact_against_the_unsharded_call(n, strategy, layout, causal):
+    q, k, v = inputs()
+    fn, arrays = run_cp(n, strategy, layout, q, k, v, causal=causal)
+    out, lse, row_max = fn(q, k, v, arrays)
+    want = reference(q, k, v, arrays, causal=causal)
+    for got, expected, name in zip((out, lse, row_max), want, ("out", "lse", "max")):
+        close(got, expected, OUT_TOL, name)
+    got = jax.jit(jax.grad(loss_of(fn, arrays), argnums=(0, 1, 2)))(q, k, v)
+    expected = jax.grad(loss_of(lambda q, k, v, a: reference(q, k, v, a, causal=causal), arrays),
+                        argnums=(0, 1, 2))(q, k, v)
+    for g, w, name in zip(got, expected, "qkv"):
+        close(g, w, GRAD_TOL, f"d{name}")
+
+
+OPTION_CASES = {
+    "segments": lambda rng: dict(arrays=dict(
+        q_segment_ids=jnp.asarray(np.sort(rng.integers(0, 4, (B, S)), axis=1), jnp.int32),
+        kv_segment_ids=None)),
+    "seqlens": lambda rng: dict(arrays=dict(q_seqlens=jnp.asarray([50, 13], jnp.int32),
+                                            kv_seqlens=jnp.asarray([64, 29], jnp.int32))),
+    "sink_softcap_scale": lambda rng: dict(arrays=dict(sink=jnp.asarray(rng.standard_normal(H),
+                                                                        jnp.float32)),
+                                           softcap=3.0, scale=0.5),
+}
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
+def test_options_at_global_positions(case, strategy, layout):
+    rng = np.random.default_rng(1)
+    spec = OPTION_CASES[case](rng)
+    arrays = spec.pop("arrays")
+    if "q_segment_ids" in arrays:
+        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    q, k, v = inputs(2)
+    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, causal=True, **spec)
+    got = fn(q, k, v, arrays)
+    want = reference(q, k, v, arrays, causal=True, **spec)
+    for g, w, name in zip(got, want, ("out", "lse", "max")):
+        close(g, w, OUT_TOL, name)
+    params = (arrays.pop("sink"),) if "sink" in arrays else ()
+    argnums = tuple(range(3 + len(params)))
+    got = jax.jit(jax.grad(loss_of(fn, arrays), argnums=argnums))(q, k, v, *params)
+    expected = jax.grad(loss_of(lambda q, k, v, a: reference(q, k, v, a, causal=True, **spec),
+                                arrays), argnums=argnums)(q, k, v, *params)
+    for g, w, name in zip(got, expected, ("q", "k", "v", "sink")):
+        close(g, w, GRAD_TOL, f"d{name}")
+
+
+@pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
+def test_dropout_mask_is_the_unsharded_one(strategy, layout):
+    q, k, v = inputs(3)
+    key = jax.random.key(11)
+    arrays = dict(key=key)
+    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, causal=True, dropout_rate=0.25)
+    got = fn(q, k, v, arrays)
+    want = reference(q, k, v, arrays, causal=True, dropout_rate=0.25)
+    close(got[0], want[0], OUT_TOL, "out with dropout")
+    got = jax.jit(jax.grad(loss_of(fn, arrays), argnums=(0, 1, 2)))(q, k, v)
+    expected = jax.grad(
+        loss_of(lambda q, k, v, a: reference(q, k, v, a, causal=True, dropout_rate=0.25), arrays),
+        argnums=(0, 1, 2))(q, k, v)
+    for g, w, name in zip(got, expected, "qkv"):
+        close(g, w, GRAD_TOL, f"d{name} with dropout")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_ring_attention_inside_shard_map(check_vma):
+    q, k, v = inputs(4)
+    mesh = mesh_of(4)
+
+    def local(q, k, v):
+        out, aux = par.ring_attention(q, k, v, axis_name="sp", causal=True)
+        return out, aux.lse
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "sp"),
+                              out_specs=(P(None, "sp"), P(None, None, "sp")),
+                              check_vma=check_vma))
+    out, lse = f(q, k, v)
+    want = reference(q, k, v, {}, causal=True)
+    close(out, want[0], OUT_TOL, "out")
+    close(lse, want[1], OUT_TOL, "lse")
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)[0])), argnums=(0, 1, 2)))
+    expected = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(reference(q, k, v, {}, causal=True)[0])),
+                        argnums=(0, 1, 2))
+    for got, w, name in zip(g(q, k, v), expected(q, k, v), "qkv"):
+        close(got, w, GRAD_TOL, f"d{name}")
+
+
+def test_outputs_are_sequence_sharded_and_the_ring_is_a_loop():
+    """`NamedSharding` out; the compiled program has the same number of kernel calls for 2 and
+    8 devices (a loop over the ring, not an unrolled one), and the ring strategy moves k and v
+    with collective-permutes only."""
+    q, k, v = inputs()
+    counts = {}
+    for n in (2, 8):
+        mesh = mesh_of(n)
+        sharding = NamedSharding(mesh, P(None, "sp"))
+        sq, sk, sv = (jax.device_put(x, sharding) for x in (q, k, v))
+        f = jax.jit(lambda q, k, v, mesh=mesh: par.context_parallel_attention(
+            q, k, v, mesh=mesh, axis_name="sp", causal=True))
+        out, aux = f(sq, sk, sv)
+        assert out.sharding.is_equivalent_to(sharding, 4)
+        assert tuple(aux.lse.sharding.spec)[:3] == (None, None, "sp")
+        text = f.lower(sq, sk, sv).compile().as_text()
+        counts[n] = len(re.findall(r"attnaux_flash_fwd", text))
+        assert "all-gather" not in text and "all-to-all" not in text
+    assert counts[2] == counts[8], counts
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        (dict(bias=jnp.zeros((S, S))), r"`bias` is not supported by context parallelism"),
+        (dict(window=(4, 0)), r"`window` is not supported"),
+        (dict(strategy="tree"), r"`strategy` must be one of"),
+        (dict(layout="striped"), r"`layout` must be one of"),
+    ],
+    ids=["bias", "window", "strategy", "layout"],
+)
+def test_unsupported_options_raise(options, pattern):
+    q, k, v = inputs()
+    mesh = mesh_of(2)
+    with pytest.raises(ValueError, match=pattern):
+        par.context_parallel_attention(q, k, v, mesh=mesh, axis_name="sp", **options)
+
+
+def test_zigzag_round_trip_and_balance():
+    x = jnp.arange(2 * 16).reshape(2, 16)
+    z = par.zigzag(x, 4, axis=1)
+    np.testing.assert_array_equal(np.asarray(par.unzigzag(z, 4, axis=1)), np.asarray(x))
+    # device i holds chunks i and 7 - i of 8: the same number of causal pairs on every device
+    chunks = np.asarray(z[0]).reshape(4, 2, 2)[:, :, 0] // 2
+    work = [sum(c + 1 for c in dev) for dev in chunks.tolist()]
+    assert len(set(work)) == 1, work
+    with pytest.raises(ValueError, match="2 \\* num_devices = 8 equal chunks"):
+        par.zigzag(jnp.zeros((2, 12)), 4, axis=1)
