@@ -1,6 +1,6 @@
-"""The 12-word dropout state (`docs/kernel_abi.md`, "A block of a larger problem"): a kernel
+"""The 12-word block state (`docs/kernel_abi.md`, "A block of a larger problem"): a kernel
 called on a block of a problem, with the block's origin, draws that block of the whole problem's
-keep-mask. This is what a sharded call's devices do (`_partition.dropout_origin`); here the
+keep-mask, and applies the causal and window rules at the block's global positions. This is what a sharded call's devices do (`_partition.dropout_origin`); here the
 block is cut by hand on one device, so the CUDA kernels are checked too (on a GPU).
 
 Reference: the same kernel on the whole problem, sliced. Every row of the block is computed from
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import HAS_FLASH
 
+import attnaux as ax
 from attnaux import _ffi
 from attnaux._internal import canonical_problem
 from attnaux._partition import dropout_origin
@@ -89,3 +90,32 @@ def test_a_block_draws_its_part_of_the_whole_mask(backend, platform):
     for got, expected, name in zip(grads, want, ("dq", "dk", "dv")):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize(("backend", "platform"), CASES)
+@pytest.mark.parametrize("shift", [-9, 0, 7, 40])
+def test_a_block_state_shifts_the_causal_and_window_rules(backend, platform, shift):
+    """Without dropout, a 12-word block state's word 11 shifts the diagonal: the block whose
+    queries start at global position q0 and keys at k0 = q0 - shift sees key j from query i iff
+    `k0 + j <= q0 + i` and the window holds at those global positions. Reference: the pure-JAX
+    backend with that visibility as an explicit boolean mask."""
+    if platform == "gpu" and (_ffi.ext_cuda() is None or _ffi.KERNELS_CUDA_ERROR is not None):
+        pytest.skip("no CUDA kernels in this build")
+    module = _backend(backend)
+    q_seq, kv_seq = (1, 12) if backend == "small_seq" else (S, S)
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(ks[0], (B, q_seq, H, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, kv_seq, KV, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, kv_seq, KV, D), jnp.float32)
+    window = (5, 2)
+    problem = canonical_problem(q, k, v, causal=True, window=window)
+    state = jnp.zeros((12,), jnp.uint32).at[11].set(
+        jax.lax.bitcast_convert_type(jnp.int32(shift), jnp.uint32))
+    arrays = jax.device_put(problem.arrays._replace(rng_state=state), jax.devices(platform)[0])
+    out, lse, row_max, _ = jax.jit(lambda a: module.run(a, problem.options, False))(arrays)
+    i = np.arange(q_seq)[:, None] + shift
+    j = np.arange(kv_seq)[None, :]
+    visible = (j <= i) & (j >= i - window[0]) & (j <= i + window[1])
+    want, want_aux = ax.attention(q, k, v, mask=jnp.asarray(visible), backend="reference")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_aux.lse), rtol=1e-5, atol=1e-5)

@@ -44,21 +44,30 @@ struct AttentionParams {
   // CUDA kernels' former argument struct (the same kernel-parameter offsets, the same code).
   float dropout_rate = 0.0f;
   Elem elem = Elem::kF32;
-  // rng_state holds 12 words: this call is a block of a larger [B, Hq, Sq, Skv] problem (a shard
-  // under SPMD), and words 4..10 give its origin and the global sizes (DropoutIndex).
-  bool dropout_origin = false;
+  // A 12-word rng_state (with or without dropout): this call is a block of a larger
+  // [B, Hq, Sq, Skv] problem (a shard under SPMD, a block pair of context parallelism). Words
+  // 4..10 give its origin and the global sizes (DropoutIndex), word 11 the diagonal shift of its
+  // causal and window rules (DiagonalShift). nullptr for a whole problem.
+  const uint32_t* block_state = nullptr;
 
   ATTNAUX_HOST_DEVICE int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 1; }
+
+  // Added to the offset of the causal and window rules: key j is causally visible from query i
+  // iff j <= i + off, off = (bottom-right ? kv_len - q_len : 0) + DiagonalShift(). A block whose
+  // queries start at global position q0 and keys at k0 has the shift q0 - k0 (int32 in word 11).
+  ATTNAUX_HOST_DEVICE int64_t DiagonalShift() const {
+    return block_state == nullptr ? 0 : static_cast<int64_t>(static_cast<int32_t>(block_state[11]));
+  }
 
   // The dropout counter of element (b, h, i, j) of this call's probabilities: its row-major
   // index in the [B, Hq, Sq, Skv] tensor of the whole problem (docs/kernel_abi.md), so a shard
   // draws the keep-mask of the unsharded call. rng_state (device memory on CUDA) is read here.
   ATTNAUX_HOST_DEVICE uint64_t DropoutIndex(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    if (!dropout_origin) {
+    if (block_state == nullptr) {
       return static_cast<uint64_t>(((b * q_heads + h) * q_len + i) * kv_len + j);
     }
     // words 4..10: batch, head, query and key origin; global heads, q_len, kv_len
-    const uint32_t* o = rng_state + 4;
+    const uint32_t* o = block_state + 4;
     const uint64_t row = (uint64_t{o[0]} + b) * o[4] + o[1] + h;
     return ((row * o[5]) + o[2] + i) * o[6] + o[3] + j;
   }

@@ -119,8 +119,10 @@ ffi::Error CheckCpuRules(const std::string& target, const AttentionInputs& in) {
                         "(4,), or (12,) for a block of a larger problem, when dropout_rate > 0",
                         in.rng_state.dims);
     }
-  } else if (!Absent(in.rng_state.dims)) {
-    return ShapeError(target, "rng_state", "(0,) when dropout_rate is 0", in.rng_state.dims);
+  } else if (!Absent(in.rng_state.dims) && !SameDims(in.rng_state.dims, {12})) {
+    return ShapeError(target, "rng_state",
+                      "(0,), or (12,) for a block of a larger problem, when dropout_rate is 0",
+                      in.rng_state.dims);
   }
   if (!(in.softcap >= 0.0f) || std::isinf(in.softcap)) {
     return Invalid(target, "softcap must be finite and >= 0 (0 = off), got " +
@@ -207,8 +209,10 @@ ffi::Error CheckCudaRules(const std::string& target, const AttentionInputs& in) 
       return Invalid(target, "`rng_state` must be U32 [4] (or [12] for a block of a larger "
                              "problem) when dropout_rate > 0.");
     }
-  } else if (!Absent(in.rng_state.dims)) {
-    return Invalid(target, "`rng_state` must be (0,) when dropout_rate == 0.");
+  } else if (!Absent(in.rng_state.dims) &&
+             (in.rng_state.dtype != ffi::DataType::U32 || !SameDims(in.rng_state.dims, {12}))) {
+    return Invalid(target, "`rng_state` must be (0,) (or U32 [12] for a block of a larger "
+                           "problem) when dropout_rate == 0.");
   }
   if (in.causal < 0 || in.causal > 2) {
     return Invalid(target, "attribute `causal` must be 0, 1 or 2.");
@@ -251,9 +255,11 @@ void FillParams(const AttentionInputs& in, int64_t window_limit, AttentionParams
     p->kv_segment_ids = static_cast<const int32_t*>(in.kv_segment_ids.data);
   }
   if (!Absent(in.sink.dims)) p->sink = static_cast<const float*>(in.sink.data);
+  if (SameDims(in.rng_state.dims, {12})) {
+    p->block_state = static_cast<const uint32_t*>(in.rng_state.data);
+  }
   if (in.dropout_rate > 0.0f) {
     p->rng_state = static_cast<const uint32_t*>(in.rng_state.data);
-    p->dropout_origin = SameDims(in.rng_state.dims, {12});
     p->drop_threshold = DropoutThreshold(in.dropout_rate);
     p->drop_scale = 1.0f / (1.0f - in.dropout_rate);
   }
@@ -272,8 +278,13 @@ ffi::Error ValidateAttentionInputs(const std::string& target, ValidationRules ru
                                    const AttentionInputs& in, AttentionParams* p) {
   if (rules == ValidationRules::kCpu) {
     ATTNAUX_RETURN_IF_ERROR(CheckCpuRules(target, in));
-    // Sq + Skv + 1: here q and k have passed the rank checks.
-    FillParams(in, in.q.dims[1] + in.k.dims[1] + 1, p);
+    // Sq + Skv + 1 + |diagonal shift|: here q and k have passed the rank checks, and a CPU
+    // call's block state is in host memory.
+    int64_t shift = 0;
+    if (SameDims(in.rng_state.dims, {12})) {
+      shift = static_cast<int32_t>(static_cast<const uint32_t*>(in.rng_state.data)[11]);
+    }
+    FillParams(in, in.q.dims[1] + in.k.dims[1] + 1 + (shift < 0 ? -shift : shift), p);
   } else {
     ATTNAUX_RETURN_IF_ERROR(CheckCudaRules(target, in));
     FillParams(in, int64_t{1} << 40, p);

@@ -25,7 +25,7 @@ struct RowRanges {
   RowRanges(const AttentionParams& p, int64_t b) {
     ql = std::clamp<int64_t>(p.q_seqlens[b], 0, p.q_len);
     kl = std::clamp<int64_t>(p.kv_seqlens[b], 0, p.kv_len);
-    off = p.causal == 2 ? kl - ql : 0;
+    off = (p.causal == 2 ? kl - ql : 0) + p.DiagonalShift();
     causal = p.causal;
     window_left = p.window_left;
     window_right = p.window_right;

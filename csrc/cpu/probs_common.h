@@ -206,7 +206,7 @@ struct HeadRows {
       : p(&params), b(batch), h(head) {
     ql = std::clamp<int64_t>(params.q_seqlens[b], 0, params.q_len);
     kl = std::clamp<int64_t>(params.kv_seqlens[b], 0, params.kv_len);
-    off = params.causal == 2 ? kl - ql : 0;
+    off = (params.causal == 2 ? kl - ql : 0) + params.DiagonalShift();
     if (params.bias != nullptr) {
       bias = params.bias + b * params.bias_stride[0] + h * params.bias_stride[1];
     }

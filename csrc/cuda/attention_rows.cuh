@@ -25,7 +25,7 @@ __device__ __forceinline__ RowBand Band(const AttentionParams& a, int64_t b, int
   const int64_t qs = a.q_seqlens[b], ks = a.kv_seqlens[b];
   const int64_t ql = qs < 0 ? 0 : (qs > a.q_len ? a.q_len : qs);
   const int64_t kl = ks < 0 ? 0 : (ks > a.kv_len ? a.kv_len : ks);
-  const int64_t off = a.causal == 2 ? kl - ql : 0;
+  const int64_t off = (a.causal == 2 ? kl - ql : 0) + a.DiagonalShift();
   RowBand r;
   r.padding = i >= ql;
   int64_t lo = 0, hi = r.padding ? 0 : kl;

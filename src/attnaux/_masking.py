@@ -42,6 +42,7 @@ def visibility(
     kv_len = jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None, None, None]
     visible = (i < q_len) & (j < kv_len)
     offset = kv_len - q_len if options.causal == 2 else 0
+    offset = offset + diagonal_shift(arrays)
     if options.causal:
         visible &= j <= i + offset
     if options.window_left >= 0:
@@ -55,6 +56,15 @@ def visibility(
             arrays.q_segment_ids[:, None, :, None] == arrays.kv_segment_ids[:, None, None, :]
         )
     return jnp.broadcast_to(visible, (bsz, visible.shape[1], q_seq, j.shape[-1]))
+
+
+def diagonal_shift(arrays: Canonical) -> jax.Array | int:
+    """The diagonal shift of the causal and window rules: word 11 of a 12-word block state
+    (`docs/kernel_abi.md`; a block of a larger problem), else 0."""
+    state = arrays.rng_state
+    if state is None or state.shape != (12,):
+        return 0
+    return jax.lax.bitcast_convert_type(state[11].astype(jnp.uint32), jnp.int32)
 
 
 _USAGE_BLOCK = 512  # key columns per step when finding the rows no visible pair uses

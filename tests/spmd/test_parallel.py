@@ -112,6 +112,13 @@ OPTION_CASES = {
         kv_segment_ids=None)),
     "seqlens": lambda rng: dict(arrays=dict(q_seqlens=jnp.asarray([50, 13], jnp.int32),
                                             kv_seqlens=jnp.asarray([64, 29], jnp.int32))),
+    "window": lambda rng: dict(arrays={}, window=(9, 0)),
+    "window_two_sided_no_causal": lambda rng: dict(arrays={}, window=(5, 12), causal=False),
+    "bottom_right": lambda rng: dict(arrays={}, causal="bottom_right"),
+    "window_segments_seqlens": lambda rng: dict(arrays=dict(
+        q_segment_ids=jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), axis=1), jnp.int32),
+        q_seqlens=jnp.asarray([60, 33], jnp.int32), kv_seqlens=jnp.asarray([64, 40], jnp.int32)),
+        window=(20, 3)),
     "sink_softcap_scale": lambda rng: dict(arrays=dict(sink=jnp.asarray(rng.standard_normal(H),
                                                                         jnp.float32)),
                                            softcap=3.0, scale=0.5),
@@ -126,16 +133,17 @@ def test_options_at_global_positions(case, strategy, layout):
     arrays = spec.pop("arrays")
     if "q_segment_ids" in arrays:
         arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    spec.setdefault("causal", True)
     q, k, v = inputs(2)
-    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, causal=True, **spec)
+    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, **spec)
     got = fn(q, k, v, arrays)
-    want = reference(q, k, v, arrays, causal=True, **spec)
+    want = reference(q, k, v, arrays, **spec)
     for g, w, name in zip(got, want, ("out", "lse", "max")):
         close(g, w, OUT_TOL, name)
     params = (arrays.pop("sink"),) if "sink" in arrays else ()
     argnums = tuple(range(3 + len(params)))
     got = jax.jit(jax.grad(loss_of(fn, arrays), argnums=argnums))(q, k, v, *params)
-    expected = jax.grad(loss_of(lambda q, k, v, a: reference(q, k, v, a, causal=True, **spec),
+    expected = jax.grad(loss_of(lambda q, k, v, a: reference(q, k, v, a, **spec),
                                 arrays), argnums=argnums)(q, k, v, *params)
     for g, w, name in zip(got, expected, ("q", "k", "v", "sink")):
         close(g, w, GRAD_TOL, f"d{name}")
@@ -206,11 +214,12 @@ def test_outputs_are_sequence_sharded_and_the_ring_is_a_loop():
     ("options", "pattern"),
     [
         (dict(bias=jnp.zeros((S, S))), r"`bias` is not supported by context parallelism"),
-        (dict(window=(4, 0)), r"`window` is not supported"),
+        (dict(causal="bottom_right", q_seqlens=jnp.asarray([3, 4])),
+         r"`causal='bottom_right'` with sequence lengths is not supported"),
         (dict(strategy="tree"), r"`strategy` must be one of"),
         (dict(layout="striped"), r"`layout` must be one of"),
     ],
-    ids=["bias", "window", "strategy", "layout"],
+    ids=["bias", "bottom_right_with_lengths", "strategy", "layout"],
 )
 def test_unsupported_options_raise(options, pattern):
     q, k, v = inputs()

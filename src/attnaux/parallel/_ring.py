@@ -94,7 +94,9 @@ def _chunks(x: jax.Array, num_devices: int, axis: int) -> list[jax.Array]:
 # ------------------------------------------------------------------------------------------------
 def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, k0, totals):
     """The canonical arrays of the block whose queries start at global position `q0` and keys
-    at `k0` (dynamic), with the global lengths and the dropout origin."""
+    at `k0` (dynamic): the global lengths cut to the block, and the 12-word block state
+    (`docs/kernel_abi.md`) with the block's origin (the dropout counter) and its diagonal shift
+    `q0 - k0` (the causal and window rules at global positions)."""
     bsz, q_chunk = q.shape[:2]
     kv_chunk = k.shape[1]
     if cfg.has_seqlens:
@@ -103,59 +105,62 @@ def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, 
     else:
         ql = jnp.full((bsz,), q_chunk, jnp.int32)
         kl = jnp.full((bsz,), kv_chunk, jnp.int32)
-    if rng is not None:
-        heads, q_total, kv_total = totals
-        words = jnp.stack([jnp.uint32(0), jnp.uint32(0), q0.astype(jnp.uint32),
-                           k0.astype(jnp.uint32), jnp.uint32(heads), jnp.uint32(q_total),
-                           jnp.uint32(kv_total), jnp.uint32(0)])
-        rng = jnp.concatenate([rng.astype(jnp.uint32), words])
+    heads, q_total, kv_total = totals
+    seed = jnp.zeros((4,), jnp.uint32) if rng is None else rng.astype(jnp.uint32)
+    shift = jax.lax.bitcast_convert_type((q0 - k0).astype(jnp.int32), jnp.uint32)
+    words = jnp.stack([jnp.uint32(0), jnp.uint32(0), q0.astype(jnp.uint32),
+                       k0.astype(jnp.uint32), jnp.uint32(heads), jnp.uint32(q_total),
+                       jnp.uint32(kv_total), shift])
+    state = jnp.concatenate([seed, words])
     return Canonical(q=q, k=k, v=v, bias=None, mask=None, q_seqlens=ql, kv_seqlens=kl,
-                     q_segment_ids=q_seg, kv_segment_ids=kv_seg, sink=None, rng_state=rng)
+                     q_segment_ids=q_seg, kv_segment_ids=kv_seg, sink=None, rng_state=state)
 
 
-def _kind(cfg: _Config, q_chunk_id, kv_chunk_id):
-    """0: a full block, 1: a causal block (on the diagonal), 2: a hidden block (skipped)."""
-    if not cfg.causal:
-        return jnp.int32(0)
-    return jnp.where(kv_chunk_id < q_chunk_id, 0, jnp.where(kv_chunk_id == q_chunk_id, 1, 2))
+def _hidden(cfg: _Config, q0, k0, q_chunk: int, kv_chunk: int):
+    """Whether the causal and window rules hide every pair of the block (it is then skipped):
+    key j is visible from query i iff `k0 + j <= q0 + i` (causal) and `q0 + i - left <= k0 + j
+    <= q0 + i + right` (window)."""
+    shift = q0 - k0
+    options = cfg.options
+    hidden = jnp.bool_(False)
+    if cfg.causal:
+        hidden |= q_chunk - 1 + shift < 0
+    if options.window_right >= 0:
+        hidden |= q_chunk - 1 + shift + options.window_right < 0
+    if options.window_left >= 0:
+        hidden |= shift - options.window_left > kv_chunk - 1
+    return hidden
 
 
-def _block_forward(cfg: _Config, kind, arrays: Canonical):
+def _block_forward(cfg: _Config, hidden, arrays: Canonical):
     bsz, q_chunk, q_heads, _ = arrays.q.shape
     v_dim = arrays.v.shape[-1]
+    options = cfg.options._replace(causal=1 if cfg.causal else 0)
 
-    def compute(causal):
-        def run(a):
-            out, lse, row_max, _ = cfg.backend.run(a, cfg.options._replace(causal=causal), False)
-            return out.astype(jnp.float32), lse, row_max
-        return run
+    def compute(a):
+        out, lse, row_max, _ = cfg.backend.run(a, options, False)
+        return out.astype(jnp.float32), lse, row_max
 
     def skip(a):  # (varying over the manual axes like the block's operands)
         none = jnp.full((bsz, q_heads, q_chunk), -jnp.inf, jnp.float32)
         zeros = jnp.zeros((bsz, q_chunk, q_heads, v_dim), jnp.float32)
         return unify_vma((zeros, none, none, a.q, a.k))[:3]
 
-    branches = [compute(0), compute(1), skip] if cfg.causal else [compute(0)]
-    return jax.lax.switch(kind, branches, arrays) if cfg.causal else compute(0)(arrays)
+    return jax.lax.cond(hidden, skip, compute, arrays)
 
 
-def _block_backward(cfg: _Config, kind, arrays: Canonical, out, lse, dout, dlse):
-    def compute(causal):
-        def run(a, out, lse, dout, dlse):
-            dq, dk, dv = cfg.backend.block_backward(
-                a, cfg.options._replace(causal=causal), out, lse, dout, dlse
-            )
-            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-        return run
+def _block_backward(cfg: _Config, hidden, arrays: Canonical, out, lse, dout, dlse):
+    options = cfg.options._replace(causal=1 if cfg.causal else 0)
+
+    def compute(a, out, lse, dout, dlse):
+        dq, dk, dv = cfg.backend.block_backward(a, options, out, lse, dout, dlse)
+        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
     def skip(a, *rest):
         zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (a.q, a.k, a.v))
         return unify_vma((*zeros, a.q, a.k, *rest))[:3]
 
-    args = (arrays, out, lse, dout, dlse)
-    if not cfg.causal:
-        return compute(0)(*args)
-    return jax.lax.switch(kind, [compute(0), compute(1), skip], *args)
+    return jax.lax.cond(hidden, skip, compute, arrays, out, lse, dout, dlse)
 
 
 def _merge(acc, part):
@@ -218,7 +223,8 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
                     qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
                     q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
                 )
-                acc_i = _merge(acc_i, _block_forward(cfg, _kind(cfg, q_id, k_id), arrays))
+                hidden = _hidden(cfg, q_id * chunk, k_id * chunk, chunk, chunk)
+                acc_i = _merge(acc_i, _block_forward(cfg, hidden, arrays))
             new.append(acc_i)
         return new
 
@@ -284,7 +290,8 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
                     qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
                     q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
                 )
-                dq, dk, dv = _block_backward(cfg, _kind(cfg, q_id, k_id), arrays,
+                hidden = _hidden(cfg, q_id * chunk, k_id * chunk, chunk, chunk)
+                dq, dk, dv = _block_backward(cfg, hidden, arrays,
                                              out_parts[qi], lse_parts[qi], dout_parts[qi],
                                              dlse_parts[qi])
                 dq_parts[qi] = dq_parts[qi] + dq
@@ -399,6 +406,7 @@ def ring_attention(
     layout: str = "contiguous",
     scale: float | None = None,
     causal: Any = False,
+    window: tuple[int, int] | None = None,
     softcap: float | None = None,
     q_seqlens: jax.Array | None = None,
     kv_seqlens: jax.Array | None = None,
@@ -423,8 +431,11 @@ def ring_attention(
     - `layout`: `"contiguous"` (device i holds block i) or `"zigzag"` (device i holds chunks i
       and 2n - 1 - i; `attnaux.parallel.zigzag` permutes a global array into it), which
       balances a causal mask.
-    - `causal`, `scale`, `softcap`, `sink`, `dropout_rate`, `key`: as in `attnaux.attention`,
-      at global positions (`causal=True`, `"top_left"` or `"bottom_right"`, which agree here).
+    - `causal`, `window`, `scale`, `softcap`, `sink`, `dropout_rate`, `key`: as in
+      `attnaux.attention`, with the masks at global positions (`causal=True`, `"top_left"` or
+      `"bottom_right"`, which agree here: queries and keys share one sequence; bottom-right with
+      lengths is refused). Block pairs that the causal mask or the window hide entirely are
+      skipped.
     - `q_seqlens`, `kv_seqlens`: global valid lengths `[*batch]` (the same on every device).
     - `q_segment_ids`, `kv_segment_ids`: this device's block of the global ids `[*batch,
       seq_block]`.
@@ -445,7 +456,6 @@ def ring_attention(
                     "lengths and causal",
             "mask": "a dense [q_seq, kv_seq] mask has no block structure; use segment ids, "
                     "lengths and causal",
-            "window": "sliding windows at global positions are not implemented yet",
             "return_probs": "the probabilities of a long sequence are what context parallelism "
                             "avoids materialising",
         }.get(name, "unknown option")
@@ -454,8 +464,14 @@ def ring_attention(
         raise ValueError(f"`strategy` must be one of {STRATEGIES}; got {strategy!r}.")
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS}; got {layout!r}.")
-    statics = parse_statics(scale=scale, causal=causal, window=None, softcap=softcap,
+    statics = parse_statics(scale=scale, causal=causal, window=window, softcap=softcap,
                             dropout_rate=dropout_rate)
+    if statics.causal == 2 and (q_seqlens is not None or kv_seqlens is not None):
+        raise ValueError(
+            "`causal='bottom_right'` with sequence lengths is not supported by context "
+            "parallelism: the diagonal would move per batch row (kv_seqlens - q_seqlens). Without "
+            "lengths, bottom-right and top-left agree here (queries and keys share one sequence)."
+        )
     problem = canonicalize(q, k, v, statics, q_segment_ids=q_segment_ids,
                            kv_segment_ids=kv_segment_ids, sink=sink, key=key)
     arrays, options = problem.arrays, problem.options
