@@ -429,12 +429,14 @@ def _check_explicit(what: str, layout: Layout, names: Sequence[str], args: Seque
     """With explicitly sharded inputs (a mesh of `Explicit` axes) the shardings are known while
     tracing: an unsupported one fails here, naming the mesh axes, rather than at compile time."""
     for name, x in zip(names, args, strict=True):
-        spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        spec = getattr(sharding, "spec", None)
         if not spec:
             continue
+        sizes = dict(getattr(sharding.mesh, "shape", {}))
         for dim, (label, entry) in enumerate(zip(layout(name, x.shape), spec)):
-            if entry is not None and not shardable(label):
-                axes = entry if isinstance(entry, tuple) else (entry,)
+            axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            if math.prod(sizes.get(a, 2) for a in axes) > 1 and not shardable(label):
                 raise ValueError(
                     Plan._unshardable_message(what, name, dim, label, f"over mesh axes {axes}")
                 )

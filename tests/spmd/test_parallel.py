@@ -238,3 +238,46 @@ def test_zigzag_round_trip_and_balance():
     assert len(set(work)) == 1, work
     with pytest.raises(ValueError, match="2 \\* num_devices = 8 equal chunks"):
         par.zigzag(jnp.zeros((2, 12)), 4, axis=1)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_decoder_with_context_parallelism(layout):
+    """`attnaux.nn.Decoder` with `context=...` inside `shard_map` over the sequence: the loss
+    and every parameter gradient equal the decoder's on the whole sequence (one device)."""
+    import equinox as eqx
+
+    from attnaux.nn import Decoder
+
+    n, seq = 4, 64
+    mesh = mesh_of(n)
+    model = Decoder(vocab=32, max_len=seq, dim=16, depth=2, num_heads=4, kv_heads=2,
+                    key=jax.random.key(3))
+    tokens = jax.random.randint(jax.random.key(4), (2, seq), 0, 32)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    zz = layout == "zigzag"
+    positions = jnp.arange(seq)
+    if zz:
+        tokens_in, positions_in = par.zigzag(tokens, n, axis=1), par.zigzag(positions, n, axis=0)
+    else:
+        tokens_in, positions_in = tokens, positions
+
+    def token_loss(logits, tokens):  # a sum over tokens: the devices' parts add up
+        return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
+
+    def cp_loss(params, tokens, positions):
+        m = eqx.combine(params, static)
+        ctx = dict(axis_name="sp", layout=layout)
+        logits, _ = jax.vmap(lambda t: m(t, positions=positions, context=ctx))(tokens)
+        return jax.lax.psum(token_loss(logits, tokens), "sp")
+
+    def plain_loss(params, tokens):
+        logits, _ = jax.vmap(eqx.combine(params, static))(tokens)
+        return token_loss(logits, tokens)
+
+    f = jax.jit(jax.shard_map(jax.value_and_grad(cp_loss), mesh=mesh,
+                              in_specs=(P(), P(None, "sp"), P("sp")), out_specs=P()))
+    value, grads = f(params, tokens_in, positions_in)
+    want_value, want = jax.value_and_grad(plain_loss)(params, tokens)
+    close(value, want_value, 1e-5, "loss")
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        close(g, w, 1e-4, "parameter gradient")

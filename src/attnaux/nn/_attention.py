@@ -143,6 +143,7 @@ class MultiheadAttention(eqx.Module):
         dropout_rate: float | None = None,
         backend: str | None = None,
         return_probs: bool = False,
+        context: dict | None = None,
     ) -> tuple[Float[Array, "q_seq o_size"], AttnAux]:
         """**Arguments:**
 
@@ -157,6 +158,10 @@ class MultiheadAttention(eqx.Module):
         - `causal`, `backend`: override the layer's defaults for this call.
         - `dropout_rate`: overrides `dropout_p` for this call.
         - `return_probs`: also return the attention probabilities in `aux.probs`.
+        - `context`: context parallelism: inside `jax.shard_map` over a mesh axis that shards
+          the sequence, `dict(axis_name=..., strategy=..., layout=...)` runs the attention as
+          `attnaux.parallel.ring_attention` (query, key and value are this device's block;
+          `mask` and `return_probs` are not available then). See `docs/parallel.md`.
 
         **Returns:**
 
@@ -194,6 +199,23 @@ class MultiheadAttention(eqx.Module):
                 "MultiheadAttention has dropout but no `key` was given; pass `key=...` or "
                 "`inference=True`."
             )
+        if context is not None:
+            from ..parallel import ring_attention
+
+            if mask is not None or return_probs:
+                raise ValueError(
+                    "`mask` and `return_probs` are not available with `context` (context "
+                    "parallelism): a dense mask or probability matrix of the whole sequence is "
+                    "what it avoids; use `causal`."
+                )
+            out, aux = ring_attention(
+                q_heads, k_heads, v_heads, causal=self.causal if causal is None else causal,
+                dropout_rate=float(rate), key=key,
+                backend=self.backend if backend is None else backend,
+                **context,
+            )
+            out = out.reshape(query.shape[0], self.num_heads * self.vo_size)
+            return jax.vmap(self.output_proj)(out), aux
         out, aux = attention(
             q_heads, k_heads, v_heads, mask=mask,
             causal=self.causal if causal is None else causal,

@@ -25,10 +25,10 @@ class DecoderBlock(eqx.Module):
         self.mlp_in = eqx.nn.Linear(dim, 4 * dim, key=k_in)
         self.mlp_out = eqx.nn.Linear(4 * dim, dim, key=k_out)
 
-    def __call__(self, x: Float[Array, "seq dim"], *, return_probs: bool = False
-                 ) -> tuple[Float[Array, "seq dim"], AttnAux]:
+    def __call__(self, x: Float[Array, "seq dim"], *, return_probs: bool = False,
+                 context: dict | None = None) -> tuple[Float[Array, "seq dim"], AttnAux]:
         h = jax.vmap(self.attention_norm)(x)
-        attended, aux = self.attention(h, h, h, return_probs=return_probs)
+        attended, aux = self.attention(h, h, h, return_probs=return_probs, context=context)
         x = x + attended
         h = jax.vmap(self.mlp_norm)(x)
         x = x + jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
@@ -63,21 +63,27 @@ class Decoder(eqx.Module):
         self.final_norm = eqx.nn.LayerNorm(dim)
         self.unembed = eqx.nn.Linear(dim, vocab, key=keys[2])
 
-    def __call__(self, tokens: Int[Array, " seq"], *, return_probs: bool = False
+    def __call__(self, tokens: Int[Array, " seq"], *, return_probs: bool = False,
+                 positions: Int[Array, " seq"] | None = None, context: dict | None = None
                  ) -> tuple[Float[Array, "seq vocab"], list[AttnAux]]:
         """**Arguments:**
 
         - `tokens`: `int[seq]` (unbatched; `jax.vmap` over a batch).
         - `return_probs`: also fill `aux.probs` in every layer's aux.
+        - `positions`: the tokens' positions in the sequence (default `0 .. seq - 1`); under
+          context parallelism, the global positions of this device's block.
+        - `context`: context parallelism for every attention layer (inside `jax.shard_map`,
+          `dict(axis_name=..., ...)`, see `MultiheadAttention` and `docs/parallel.md`).
 
         **Returns:**
 
         `(logits [seq, vocab], [aux of each layer])`.
         """
-        positions = jnp.arange(tokens.shape[0])
+        if positions is None:
+            positions = jnp.arange(tokens.shape[0])
         x = jax.vmap(self.token_embedding)(tokens) + jax.vmap(self.position_embedding)(positions)
         auxes = []
         for block in self.blocks:
-            x, aux = block(x, return_probs=return_probs)
+            x, aux = block(x, return_probs=return_probs, context=context)
             auxes.append(aux)
         return jax.vmap(self.unembed)(jax.vmap(self.final_norm)(x)), auxes

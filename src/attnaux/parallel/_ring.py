@@ -252,7 +252,9 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
             following = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), kv_block)
             return visit(acc, kv_block, src), following
 
-        acc, _ = jax.lax.fori_loop(0, n, step, (acc, kv_block))
+        # n - 1 hops; the last block received is visited after the loop, with nothing to send.
+        acc, kv_block = jax.lax.fori_loop(0, n - 1, step, (acc, kv_block))
+        acc = visit(acc, kv_block, (me - (n - 1)) % n)
     out = jnp.concatenate([a[0] for a in acc], axis=1)
     lse = jnp.concatenate([a[1] for a in acc], axis=2)
     row_max = jnp.concatenate([a[2] for a in acc], axis=2)
@@ -328,11 +330,15 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
             src = (me - s) % n
             following = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), kv_block)
             dq_parts, grads = visit(dq_parts, kv_block, grads, src)
-            # dk and dv travel with their block: after n hops they are home.
+            # dk and dv travel with their block, one hop behind it.
             grads = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), grads)
             return dq_parts, following, grads
 
-        dq_parts, _, (dk, dv) = jax.lax.fori_loop(0, n, step, (dq_parts, kv_block, grads))
+        dq_parts, kv_block, grads = jax.lax.fori_loop(0, n - 1, step,
+                                                      (dq_parts, kv_block, grads))
+        dq_parts, grads = visit(dq_parts, kv_block, grads, (me - (n - 1)) % n)
+        # the n-th hop brings every block's dk and dv home
+        dk, dv = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), grads)
     dq = dq_parts[0] if chunks == 1 else jnp.concatenate(dq_parts, axis=1)
     dsink = None
     if cfg.has_sink:
