@@ -1,7 +1,8 @@
 """The 12-word block state (`docs/kernel_abi.md`, "A block of a larger problem"): a kernel
 called on a block of a problem, with the block's origin, draws that block of the whole problem's
-keep-mask, and applies the causal and window rules at the block's global positions. This is what a sharded call's devices do (`_partition.dropout_origin`); here the
-block is cut by hand on one device, so the CUDA kernels are checked too (on a GPU).
+keep-mask, and applies the causal and window rules at the block's global positions. This is what
+a sharded call's devices and context parallelism's block calls do; here the block is cut by hand
+on one device, so the CUDA kernels are checked too (on a GPU).
 
 Reference: the same kernel on the whole problem, sliced. Every row of the block is computed from
 the same inputs by the same kernel in both calls, so outputs and gradients agree to float32
