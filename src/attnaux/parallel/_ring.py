@@ -211,7 +211,7 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def visit(acc, kv_block, src):
-        k_b, v_b, kvs_b = kv_block
+        k_b, v_b, kvs_b = (*kv_block, None)[:3]  # segment ids travel only when given
         k_parts, v_parts = _split(k_b, chunks), _split(v_b, chunks)
         ks_parts = _split(kvs_b, chunks) if cfg.has_segments else None
         new = []
@@ -234,8 +234,8 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
 
     acc = [empty() for _ in range(chunks)]
     acc = [tuple(unify_vma((*a, q))[:3]) for a in acc]
-    kv_block = (k, v, kv_seg if cfg.has_segments else jnp.zeros((bsz, seq), jnp.int32))
-    kv_block = tuple(unify_vma((*kv_block, q))[:3])
+    kv_block = (k, v, kv_seg) if cfg.has_segments else (k, v)
+    kv_block = tuple(unify_vma((*kv_block, q))[:len(kv_block)])
     if cfg.strategy == "allgather":
         gathered = tuple(jax.lax.all_gather(x, cfg.axis_name) for x in kv_block)
 
@@ -279,7 +279,7 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
     qs_parts = split_q(q_seg) if cfg.has_segments else None
 
     def visit(dq_parts, kv_block, grads_block, src):
-        k_b, v_b, kvs_b = kv_block
+        k_b, v_b, kvs_b = (*kv_block, None)[:3]  # segment ids travel only when given
         dk_b, dv_b = grads_block
         k_parts, v_parts = _split(k_b, chunks), _split(v_b, chunks)
         ks_parts = _split(kvs_b, chunks) if cfg.has_segments else None
@@ -304,8 +304,8 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
 
     zeros = [jnp.zeros(p.shape, jnp.float32) for p in q_parts]
     dq_parts = [unify_vma((z, q))[0] for z in zeros]
-    kv_block = (k, v, kv_seg if cfg.has_segments else jnp.zeros((bsz, seq), jnp.int32))
-    kv_block = tuple(unify_vma((*kv_block, q))[:3])
+    kv_block = (k, v, kv_seg) if cfg.has_segments else (k, v)
+    kv_block = tuple(unify_vma((*kv_block, q))[:len(kv_block)])
     grads = tuple(unify_vma((jnp.zeros(x.shape, jnp.float32), q))[0] for x in (k, v))
     if cfg.strategy == "allgather":
         gathered = tuple(jax.lax.all_gather(x, cfg.axis_name) for x in kv_block)
