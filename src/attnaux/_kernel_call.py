@@ -140,6 +140,9 @@ class KernelOp:
         self._attrs = dict(attrs)
         self._result_like = dict(result_like or {})
         self._sequential_if_present = sequential_if_present
+        # A 12-word block state without dropout (context parallelism) folds like any operand:
+        # only a drawn keep-mask depends on the batch index.
+        self._drops = float(self._attrs.get("dropout_rate", 1.0)) > 0
         self._folds = dict(folds or {})
         self._aliases = dict(aliases or {})
         self._kernel = kernel
@@ -186,7 +189,7 @@ class KernelOp:
         if (
             axis_size == 0
             or shared_batched
-            or any(has[name] for name in self._sequential_if_present)
+            or (self._drops and any(has[name] for name in self._sequential_if_present))
         ):
             # Folding would change results: a dropout state's counters use the batch index (so
             # `vmap(f)(x)[n]` would differ from `f(x[n])` and from `introspect.dropout_mask`), and

@@ -87,11 +87,10 @@ def _transposed_times(w: jax.Array, x: jax.Array, kv_heads: int, dtype) -> jax.A
     return out.astype(dtype)
 
 
-def _forward_shapes(ops):
+def _forward_shapes(ops, has_dropout: bool):
     q, k = ops["q"], ops["k"]
     bsz, q_seq, q_heads, _ = q.shape
     full = (bsz, q_heads, q_seq, k.shape[1])
-    has_dropout = present(ops["rng_state"])
     return (
         jax.ShapeDtypeStruct(full, q.dtype),  # P
         jax.ShapeDtypeStruct(full if has_dropout else (0,), q.dtype),  # weights
@@ -100,11 +99,10 @@ def _forward_shapes(ops):
     )
 
 
-def _backward_shapes(ops):
+def _backward_shapes(ops, has_dropout: bool):
     q, k = ops["q"], ops["k"]
     bsz, q_seq, q_heads, _ = q.shape
     full = (bsz, q_heads, q_seq, k.shape[1])
-    has_dropout = present(ops["rng_state"])
     return (
         jax.ShapeDtypeStruct(full, q.dtype),  # scale * dR
         jax.ShapeDtypeStruct(full if has_dropout else (0,), q.dtype),  # weights
@@ -119,12 +117,16 @@ _BACKWARD_EXTRA = (("probs", BATCH), ("dp", BATCH), ("dprobs", BATCH), ("dlse", 
 @functools.cache
 def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
     attrs = attention_attrs(options)
+    # (a 12-word block state without dropout is present but draws no mask: the rate decides)
+    has_dropout = options.dropout_rate > 0
     forward = KernelOp(FWD_TARGET, CANONICAL_OPERANDS + (("scores", BATCH),),
-                       ("probs", "weights", "lse", "max"), _forward_shapes, attrs,
+                       ("probs", "weights", "lse", "max"),
+                       functools.partial(_forward_shapes, has_dropout=has_dropout), attrs,
                        sequential_if_present=("rng_state",),
                        dropout=("rng_state", True))
     backward = KernelOp(BWD_TARGET, CANONICAL_OPERANDS + _BACKWARD_EXTRA,
-                        ("ds", "weights", "dbias"), _backward_shapes, attrs,
+                        ("ds", "weights", "dbias"),
+                        functools.partial(_backward_shapes, has_dropout=has_dropout), attrs,
                         sequential_if_present=("rng_state",),
                        dropout=("rng_state", True))
     return forward, backward
