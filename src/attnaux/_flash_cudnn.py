@@ -451,27 +451,14 @@ def _with_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Arr
     return out, lse_sink
 
 
-def flash_attention_cuda(
-    arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
-
-    `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max, and
-    `composite=True` pins cuDNN's composite SDPA implementation for the forward (the frontend
-    otherwise picks, and may pick its "unified" one for a Stats-only graph); both exist to
-    measure what the max costs (benchmarks/gpu_flash.py).
-    """
+def _prepare(arrays: Canonical, options: Options, *, with_max: bool = True,
+             composite: bool = False):
+    """`(cfg, (q, k, v, bias, q_len, kv_len, rng))`: the static configuration of a (non-empty)
+    call and the operands of its cuDNN graphs: hidden and padding rows zeroed, the mask and
+    the segment ids folded into the bias."""
     q, k, v = arrays.q, arrays.k, arrays.v
     bsz, q_seq, q_heads, _ = q.shape
     kv_seq, v_dim = k.shape[1], v.shape[-1]
-    if 0 in (bsz, q_seq, q_heads, kv_seq):
-        # Nothing for cuDNN to do: every row (if any) sees no key.
-        out = jnp.zeros((bsz, q_seq, q_heads, v_dim), q.dtype)
-        none = jnp.full((bsz, q_heads, q_seq), -jnp.inf, jnp.float32)
-        lse = none
-        if arrays.sink is not None:
-            out, lse = _with_sink(out, none, arrays.sink)
-        return out, lse, none
     masked = arrays.q_segment_ids is not None or arrays.mask is not None
     if masked:
         # Rows hidden by the mask or the segment ids still enter cuDNN's products with weight 0
@@ -508,7 +495,32 @@ def flash_attention_cuda(
         k = jnp.where(kv_rows, k, 0)
         v = jnp.where(kv_rows, v, 0)
     rng = arrays.rng_state if cfg.dropout_rate > 0 else jnp.zeros((0,), jnp.uint32)
-    out, lse, row_max = _core(cfg, q, k, v, bias, q_len, kv_len, rng)
+    return cfg, (q, k, v, bias, q_len, kv_len, rng)
+
+
+def flash_attention_cuda(
+    arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
+
+    `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max, and
+    `composite=True` pins cuDNN's composite SDPA implementation for the forward (the frontend
+    otherwise picks, and may pick its "unified" one for a Stats-only graph); both exist to
+    measure what the max costs (benchmarks/gpu_flash.py).
+    """
+    q, k, v = arrays.q, arrays.k, arrays.v
+    bsz, q_seq, q_heads, _ = q.shape
+    kv_seq, v_dim = k.shape[1], v.shape[-1]
+    if 0 in (bsz, q_seq, q_heads, kv_seq):
+        # Nothing for cuDNN to do: every row (if any) sees no key.
+        out = jnp.zeros((bsz, q_seq, q_heads, v_dim), q.dtype)
+        none = jnp.full((bsz, q_heads, q_seq), -jnp.inf, jnp.float32)
+        lse = none
+        if arrays.sink is not None:
+            out, lse = _with_sink(out, none, arrays.sink)
+        return out, lse, none
+    cfg, core_args = _prepare(arrays, options, with_max=with_max, composite=composite)
+    out, lse, row_max = _core(cfg, *core_args)
     if arrays.sink is not None:
         out, lse = _with_sink(out, lse, arrays.sink)
     return out, lse, row_max
@@ -518,6 +530,29 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
     """`(out, lse, max, None)` through cuDNN: the dispatch's entry (see `flash_attention_cuda`)."""
     del return_probs  # flash saves no probabilities (the dispatch never asks it to)
     return (*flash_attention_cuda(arrays, options), None)
+
+
+FOLLOWS_BLOCK_STATE = False
+"""cuDNN's masks are static graph attributes: a block call cannot take the diagonal shift (or
+the dropout origin) of a 12-word block state, so context parallelism gives it only blocks whose
+causal rule is none or top-left at shift 0, and no window or dropout."""
+
+
+def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
+    """`(dq, dk, dv)` of one block of a larger attention (context parallelism): cuDNN's backward
+    with the *whole* problem's `out` and `lse` as its residuals, so that it recomputes the whole
+    problem's probabilities on this block's keys and the row term `rowsum(dout * out) - dlse`:
+    the block's exact share of the gradients (rows that see no key at all get lse = +inf, so
+    P = 0). The zeroing of hidden and padding rows is differentiated like the forward's."""
+    def prepared(q, k, v):
+        return _prepare(arrays._replace(q=q, k=k, v=v), options)[1][:3]
+
+    cfg, (_, _, _, bias, q_len, kv_len, rng) = _prepare(arrays, options)
+    (q, k, v), undo = jax.vjp(prepared, arrays.q, arrays.k, arrays.v)
+    stats = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+    grads = _core_bwd(cfg, ((q, k, v, bias, q_len, kv_len, rng), out, stats),
+                      (dout, dlse, None))
+    return undo(tuple(g.astype(x.dtype) for g, x in zip(grads[:3], (q, k, v))))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -132,35 +132,59 @@ def _hidden(cfg: _Config, q0, k0, q_chunk: int, kv_chunk: int):
     return hidden
 
 
-def _block_forward(cfg: _Config, hidden, arrays: Canonical):
+def _follows_shift(cfg: _Config) -> bool:
+    return getattr(cfg.backend, "FOLLOWS_BLOCK_STATE", True)
+
+
+def _block_kind(cfg: _Config, q0, k0, hidden):
+    """Which call a block needs: 0 none (skipped), 1 the kernel with the block state's shift
+    (any block), or, for a backend whose masks are static (cuDNN), 2 a full block and 3 a causal
+    block on the diagonal: chunks are equal and aligned, so under a causal mask without a window
+    a block is wholly below (shift > 0), on (shift 0) or above the diagonal."""
+    if _follows_shift(cfg):
+        return jnp.where(hidden, 0, 1)
+    if not cfg.causal:
+        return jnp.int32(2)
+    return jnp.where(q0 > k0, 2, jnp.where(q0 == k0, 3, 0))
+
+
+def _block_forward(cfg: _Config, kind, arrays: Canonical):
     bsz, q_chunk, q_heads, _ = arrays.q.shape
     v_dim = arrays.v.shape[-1]
-    options = cfg.options._replace(causal=1 if cfg.causal else 0)
 
-    def compute(a):
-        out, lse, row_max, _ = cfg.backend.run(a, options, False)
-        return out.astype(jnp.float32), lse, row_max
+    def compute(causal):
+        options = cfg.options._replace(causal=causal)
+
+        def run(a):
+            out, lse, row_max, _ = cfg.backend.run(a, options, False)
+            return out.astype(jnp.float32), lse, row_max
+        return run
 
     def skip(a):  # (varying over the manual axes like the block's operands)
         none = jnp.full((bsz, q_heads, q_chunk), -jnp.inf, jnp.float32)
         zeros = jnp.zeros((bsz, q_chunk, q_heads, v_dim), jnp.float32)
         return unify_vma((zeros, none, none, a.q, a.k))[:3]
 
-    return jax.lax.cond(hidden, skip, compute, arrays)
+    shifted = compute(1 if cfg.causal else 0)
+    return jax.lax.switch(kind, [skip, shifted, compute(0), compute(1)], arrays)
 
 
-def _block_backward(cfg: _Config, hidden, arrays: Canonical, out, lse, dout, dlse):
-    options = cfg.options._replace(causal=1 if cfg.causal else 0)
+def _block_backward(cfg: _Config, kind, arrays: Canonical, out, lse, dout, dlse):
+    def compute(causal):
+        options = cfg.options._replace(causal=causal)
 
-    def compute(a, out, lse, dout, dlse):
-        dq, dk, dv = cfg.backend.block_backward(a, options, out, lse, dout, dlse)
-        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+        def run(a, out, lse, dout, dlse):
+            dq, dk, dv = cfg.backend.block_backward(a, options, out, lse, dout, dlse)
+            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+        return run
 
     def skip(a, *rest):
         zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (a.q, a.k, a.v))
         return unify_vma((*zeros, a.q, a.k, *rest))[:3]
 
-    return jax.lax.cond(hidden, skip, compute, arrays, out, lse, dout, dlse)
+    shifted = compute(1 if cfg.causal else 0)
+    return jax.lax.switch(kind, [skip, shifted, compute(0), compute(1)],
+                          arrays, out, lse, dout, dlse)
 
 
 def _merge(acc, part):
@@ -224,7 +248,8 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
                     q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
                 )
                 hidden = _hidden(cfg, q_id * chunk, k_id * chunk, chunk, chunk)
-                acc_i = _merge(acc_i, _block_forward(cfg, hidden, arrays))
+                kind = _block_kind(cfg, q_id * chunk, k_id * chunk, hidden)
+                acc_i = _merge(acc_i, _block_forward(cfg, kind, arrays))
             new.append(acc_i)
         return new
 
@@ -293,7 +318,8 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
                     q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
                 )
                 hidden = _hidden(cfg, q_id * chunk, k_id * chunk, chunk, chunk)
-                dq, dk, dv = _block_backward(cfg, hidden, arrays,
+                kind = _block_kind(cfg, q_id * chunk, k_id * chunk, hidden)
+                dq, dk, dv = _block_backward(cfg, kind, arrays,
                                              out_parts[qi], lse_parts[qi], dout_parts[qi],
                                              dlse_parts[qi])
                 dq_parts[qi] = dq_parts[qi] + dq
@@ -380,6 +406,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # Public entry points
 # ------------------------------------------------------------------------------------------------
 def _backend_module(backend: str, platform: str):
+    """The flash backend of `platform` with a block backward: the C++ kernels on CPU, cuDNN on
+    GPU."""
     if backend not in ("auto", "flash"):
         raise ValueError(
             f"`backend` must be 'auto' or 'flash' for context parallelism (the ring runs the "
@@ -389,13 +417,15 @@ def _backend_module(backend: str, platform: str):
         from .. import _flash_cpu as module
 
         why = target_unavailable(module.FWD_TARGET, "cpu")
-        if why is None:
-            return module
+    elif platform in ("gpu", "cuda"):
+        from .. import _flash_cudnn as module
+
+        why = target_unavailable(module.FWD_TARGET, "cuda")
+    else:
+        module, why = None, f"no flash backend for the {platform!r} platform"
+    if why is not None:
         raise ValueError(f"context parallelism needs the compiled flash kernels: {why}.")
-    raise ValueError(
-        f"context parallelism runs on the compiled CPU flash kernels in this version; the "
-        f"{platform!r} platform's flash backend has no block backward yet."
-    )
+    return module
 
 
 def _unsupported(name: str, why: str):
@@ -499,13 +529,20 @@ def ring_attention(
                 f"(the global length of each sequence); got {x.dtype} {x.shape}."
             )
         lens.append(jnp.clip(x.reshape(bsz), 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32))
-    platform = jax.default_backend() if jax.default_backend() != "gpu" else "gpu"
+    module = _backend_module(backend, jax.default_backend())
+    if not getattr(module, "FOLLOWS_BLOCK_STATE", True):
+        if options.window_left >= 0 or options.window_right >= 0 or options.dropout_rate > 0:
+            raise ValueError(
+                "`window` and dropout are not supported by context parallelism on GPU: cuDNN's "
+                "masks and dropout generator are static per graph and cannot take a block's "
+                "global position (the CPU kernels can)."
+            )
     cfg = _Config(
         axis_name=axis_name, strategy=strategy, layout=layout,
         options=options._replace(causal=0, has_seqlens=True), causal=options.causal != 0,
         has_seqlens=q_seqlens is not None or kv_seqlens is not None,
         has_segments=arrays.q_segment_ids is not None, has_sink=arrays.sink is not None,
-        backend=_backend_module(backend, platform),
+        backend=module,
     )
     out, lse, row_max = _ring(
         cfg, arrays.q, arrays.k, arrays.v, arrays.q_segment_ids, arrays.kv_segment_ids,

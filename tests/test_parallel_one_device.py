@@ -1,0 +1,61 @@
+"""`attnaux.parallel` on a one-device mesh, on whatever platform runs the tests (the C++ flash
+kernels on CPU, cuDNN on GPU): with `layout="zigzag"` the device holds two chunks, so the ring's
+block calls include a full block, a causal block on the diagonal and a skipped one, and every
+path of the block forward and backward runs. The multi-device runs are in `tests/spmd`.
+
+Reference: `attnaux.attention` with the same backend on the same arrays. Tolerances: float32 on
+CPU as in `tests/spmd/test_parallel.py` (1e-5); bfloat16 on GPU, where both sides round their
+outputs to bfloat16 (2 ulp = 1.6e-2 relative) and cuDNN accumulates dq with atomics.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import attnaux as ax
+import attnaux.parallel as par
+from conftest import HAS_FLASH
+
+pytestmark = pytest.mark.skipif(not HAS_FLASH, reason="the compiled kernels are not built")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_zigzag_on_one_device(strategy, causal):
+    gpu = jax.default_backend() == "gpu"
+    dtype, tol = (jnp.bfloat16, 2e-2) if gpu else (jnp.float32, 1e-5)
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (2, 128, 4, 64), dtype)
+    k = jax.random.normal(ks[1], (2, 128, 2, 64), dtype)
+    v = jax.random.normal(ks[2], (2, 128, 2, 64), dtype)
+    seqlens = jnp.asarray([128, 77], jnp.int32)
+
+    def cp(q, k, v):
+        def local(q, k, v, lens):
+            out, aux = par.ring_attention(q, k, v, axis_name="sp", causal=causal,
+                                          layout="zigzag", strategy=strategy, kv_seqlens=lens)
+            return out, aux.lse
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                             out_specs=(P(None, "sp"), P(None, None, "sp")))(q, k, v, seqlens)
+
+    def plain(q, k, v):
+        out, aux = ax.attention(q, k, v, causal=causal, kv_seqlens=seqlens, backend="flash")
+        return out, aux.lse
+
+    def loss(fn):
+        return lambda q, k, v: (jnp.sum(jnp.sin(fn(q, k, v)[0].astype(jnp.float32)))
+                                + 0.3 * jnp.sum(fn(q, k, v)[1]))
+
+    for got, want, name in zip(jax.jit(cp)(q, k, v), plain(q, k, v), ("out", "lse")):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol, err_msg=name)
+    grads = jax.jit(jax.grad(loss(cp), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    for g, w, name in zip(grads, want, "qkv"):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale = max(1.0, float(np.abs(w).max()))
+        assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
