@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HAS_FLASH
 from jax.sharding import PartitionSpec as P
 
 import attnaux as ax
 import attnaux.parallel as par
-from conftest import HAS_FLASH
 
 pytestmark = pytest.mark.skipif(not HAS_FLASH, reason="the compiled kernels are not built")
 
