@@ -120,6 +120,10 @@ OPTION_CASES = {
     "window": lambda rng: dict(arrays={}, window=(9, 0)),
     "window_two_sided_no_causal": lambda rng: dict(arrays={}, window=(5, 12), causal=False),
     "bottom_right": lambda rng: dict(arrays={}, causal="bottom_right"),
+    "bottom_right_lengths_window": lambda rng: dict(
+        arrays=dict(q_seqlens=jnp.asarray([50, 13], jnp.int32),
+                    kv_seqlens=jnp.asarray([64, 29], jnp.int32)),
+        causal="bottom_right", window=(17, 0)),
     "window_segments_seqlens": lambda rng: dict(arrays=dict(
         q_segment_ids=jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), axis=1), jnp.int32),
         q_seqlens=jnp.asarray([60, 33], jnp.int32), kv_seqlens=jnp.asarray([64, 40], jnp.int32)),
@@ -219,12 +223,11 @@ def test_outputs_are_sequence_sharded_and_the_ring_is_a_loop():
     ("options", "pattern"),
     [
         (dict(bias=jnp.zeros((S, S))), r"`bias` is not supported by context parallelism"),
-        (dict(causal="bottom_right", q_seqlens=jnp.asarray([3, 4])),
-         r"`causal='bottom_right'` with sequence lengths is not supported"),
+        (dict(return_probs=True), r"`return_probs` is not supported by context parallelism"),
         (dict(strategy="tree"), r"`strategy` must be one of"),
         (dict(layout="striped"), r"`layout` must be one of"),
     ],
-    ids=["bias", "bottom_right_with_lengths", "strategy", "layout"],
+    ids=["bias", "return_probs", "strategy", "layout"],
 )
 def test_unsupported_options_raise(options, pattern):
     q, k, v = inputs()

@@ -45,6 +45,7 @@ class _Config(NamedTuple):
     has_seqlens: bool
     has_segments: bool
     has_sink: bool
+    bottom_right_lengths: bool  # causal="bottom_right" with lengths: the diagonal moves per row
     backend: Any  # the backend module: run(arrays, options, False), block_backward(...)
 
 
@@ -92,11 +93,13 @@ def _chunks(x: jax.Array, num_devices: int, axis: int) -> list[jax.Array]:
 # ------------------------------------------------------------------------------------------------
 # One (query chunk, key chunk) block
 # ------------------------------------------------------------------------------------------------
-def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, k0, totals):
+def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, k0, totals,
+                  shift):
     """The canonical arrays of the block whose queries start at global position `q0` and keys
     at `k0` (dynamic): the global lengths cut to the block, and the 12-word block state
     (`docs/kernel_abi.md`) with the block's origin (the dropout counter) and its diagonal shift
-    `q0 - k0` (the causal and window rules at global positions)."""
+    (`q0 - k0`, plus `kv_len - q_len` of the row for a bottom-right mask with lengths: the causal
+    and window rules at global positions)."""
     bsz, q_chunk = q.shape[:2]
     kv_chunk = k.shape[1]
     if cfg.has_seqlens:
@@ -107,7 +110,7 @@ def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, 
         kl = jnp.full((bsz,), kv_chunk, jnp.int32)
     heads, q_total, kv_total = totals
     seed = jnp.zeros((4,), jnp.uint32) if rng is None else rng.astype(jnp.uint32)
-    shift = jax.lax.bitcast_convert_type((q0 - k0).astype(jnp.int32), jnp.uint32)
+    shift = jax.lax.bitcast_convert_type(jnp.asarray(shift, jnp.int32), jnp.uint32)
     words = jnp.stack([jnp.uint32(0), jnp.uint32(0), q0.astype(jnp.uint32),
                        k0.astype(jnp.uint32), jnp.uint32(heads), jnp.uint32(q_total),
                        jnp.uint32(kv_total), shift])
@@ -116,11 +119,10 @@ def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, 
                      q_segment_ids=q_seg, kv_segment_ids=kv_seg, sink=None, rng_state=state)
 
 
-def _hidden(cfg: _Config, q0, k0, q_chunk: int, kv_chunk: int):
+def _hidden(cfg: _Config, shift, q_chunk: int, kv_chunk: int):
     """Whether the causal and window rules hide every pair of the block (it is then skipped):
-    key j is visible from query i iff `k0 + j <= q0 + i` (causal) and `q0 + i - left <= k0 + j
-    <= q0 + i + right` (window)."""
-    shift = q0 - k0
+    key j is visible from query i iff `j <= i + shift` (causal) and `i + shift - left <= j <=
+    i + shift + right` (window), `shift = q0 - k0` (plus the bottom-right offset)."""
     options = cfg.options
     hidden = jnp.bool_(False)
     if cfg.causal:
@@ -136,7 +138,7 @@ def _follows_shift(cfg: _Config) -> bool:
     return getattr(cfg.backend, "FOLLOWS_BLOCK_STATE", True)
 
 
-def _block_kind(cfg: _Config, q0, k0, hidden):
+def _block_kind(cfg: _Config, shift, hidden):
     """Which call a block needs: 0 none (skipped), 1 the kernel with the block state's shift
     (any block), or, for a backend whose masks are static (cuDNN), 2 a full block and 3 a causal
     block on the diagonal: chunks are equal and aligned, so under a causal mask without a window
@@ -145,7 +147,7 @@ def _block_kind(cfg: _Config, q0, k0, hidden):
         return jnp.where(hidden, 0, 1)
     if not cfg.causal:
         return jnp.int32(2)
-    return jnp.where(q0 > k0, 2, jnp.where(q0 == k0, 3, 0))
+    return jnp.where(shift > 0, 2, jnp.where(shift == 0, 3, 0))
 
 
 def _block_forward(cfg: _Config, kind, arrays: Canonical):
@@ -185,6 +187,22 @@ def _block_backward(cfg: _Config, kind, arrays: Canonical, out, lse, dout, dlse)
     shifted = compute(1 if cfg.causal else 0)
     return jax.lax.switch(kind, [skip, shifted, compute(0), compute(1)],
                           arrays, out, lse, dout, dlse)
+
+
+def _rows(cfg: _Config, fn, args, q_len, kv_len, total: int):
+    """`fn(*args, shift_extra)` on the whole batch, or, for a bottom-right mask with lengths
+    (whose diagonal is `kv_len - q_len` of each row), row by row: the block state holds one
+    shift per call. `args` all have the batch leading."""
+    if not cfg.bottom_right_lengths:
+        return fn(*args, 0)
+    extra = jnp.clip(kv_len, 0, total) - jnp.clip(q_len, 0, total)
+
+    def one(xs):
+        *row, e = xs
+        outs = fn(*(None if a is None else a[None] for a in row), e)
+        return tuple(o[0] for o in outs)
+
+    return jax.lax.map(one, (*args, extra))
 
 
 def _merge(acc, part):
@@ -242,14 +260,19 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
         for qi, q_id in enumerate(ids(me)):
             acc_i = acc[qi]
             for ki, k_id in enumerate(ids(src)):
-                arrays = _block_arrays(
-                    cfg, q_parts[qi], k_parts[ki], v_parts[ki],
-                    qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
-                    q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
-                )
-                hidden = _hidden(cfg, q_id * chunk, k_id * chunk, chunk, chunk)
-                kind = _block_kind(cfg, q_id * chunk, k_id * chunk, hidden)
-                acc_i = _merge(acc_i, _block_forward(cfg, kind, arrays))
+                q0, k0 = q_id * chunk, k_id * chunk
+
+                def block(qp, kp, vp, qs, ks, ql, kl, extra, q0=q0, k0=k0):
+                    shift = q0 - k0 + extra
+                    arrays = _block_arrays(cfg, qp, kp, vp, qs, ks, ql, kl, rng, q0, k0, totals,
+                                           shift)
+                    kind = _block_kind(cfg, shift, _hidden(cfg, shift, chunk, chunk))
+                    return _block_forward(cfg, kind, arrays)
+
+                args = (q_parts[qi], k_parts[ki], v_parts[ki],
+                        qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
+                        q_len, kv_len)
+                acc_i = _merge(acc_i, _rows(cfg, block, args, q_len, kv_len, totals[1]))
             new.append(acc_i)
         return new
 
@@ -312,16 +335,20 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
         dq_parts = list(dq_parts)
         for qi, q_id in enumerate(ids(me)):
             for ki, k_id in enumerate(ids(src)):
-                arrays = _block_arrays(
-                    cfg, q_parts[qi], k_parts[ki], v_parts[ki],
-                    qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
-                    q_len, kv_len, rng, q_id * chunk, k_id * chunk, totals,
-                )
-                hidden = _hidden(cfg, q_id * chunk, k_id * chunk, chunk, chunk)
-                kind = _block_kind(cfg, q_id * chunk, k_id * chunk, hidden)
-                dq, dk, dv = _block_backward(cfg, kind, arrays,
-                                             out_parts[qi], lse_parts[qi], dout_parts[qi],
-                                             dlse_parts[qi])
+                q0, k0 = q_id * chunk, k_id * chunk
+
+                def block(qp, kp, vp, qs, ks, ql, kl, out, lse, dout, dlse, extra, q0=q0, k0=k0):
+                    shift = q0 - k0 + extra
+                    arrays = _block_arrays(cfg, qp, kp, vp, qs, ks, ql, kl, rng, q0, k0, totals,
+                                           shift)
+                    kind = _block_kind(cfg, shift, _hidden(cfg, shift, chunk, chunk))
+                    return _block_backward(cfg, kind, arrays, out, lse, dout, dlse)
+
+                args = (q_parts[qi], k_parts[ki], v_parts[ki],
+                        qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
+                        q_len, kv_len, out_parts[qi], lse_parts[qi], dout_parts[qi],
+                        dlse_parts[qi])
+                dq, dk, dv = _rows(cfg, block, args, q_len, kv_len, totals[1])
                 dq_parts[qi] = dq_parts[qi] + dq
                 dk_parts[ki] = dk_parts[ki] + dk
                 dv_parts[ki] = dv_parts[ki] + dv
@@ -469,9 +496,10 @@ def ring_attention(
       balances a causal mask.
     - `causal`, `window`, `scale`, `softcap`, `sink`, `dropout_rate`, `key`: as in
       `attnaux.attention`, with the masks at global positions (`causal=True`, `"top_left"` or
-      `"bottom_right"`, which agree here: queries and keys share one sequence; bottom-right with
-      lengths is refused). Block pairs that the causal mask or the window hide entirely are
-      skipped.
+      `"bottom_right"`, which agree without lengths since queries and keys share one sequence;
+      with lengths the bottom-right diagonal is `kv_seqlens - q_seqlens` of each row, and the
+      blocks then run row by row). Block pairs that the causal mask or the window hide entirely
+      are skipped.
     - `q_seqlens`, `kv_seqlens`: global valid lengths `[*batch]` (the same on every device).
     - `q_segment_ids`, `kv_segment_ids`: this device's block of the global ids `[*batch,
       seq_block]`.
@@ -502,12 +530,7 @@ def ring_attention(
         raise ValueError(f"`layout` must be one of {LAYOUTS}; got {layout!r}.")
     statics = parse_statics(scale=scale, causal=causal, window=window, softcap=softcap,
                             dropout_rate=dropout_rate)
-    if statics.causal == 2 and (q_seqlens is not None or kv_seqlens is not None):
-        raise ValueError(
-            "`causal='bottom_right'` with sequence lengths is not supported by context "
-            "parallelism: the diagonal would move per batch row (kv_seqlens - q_seqlens). Without "
-            "lengths, bottom-right and top-left agree here (queries and keys share one sequence)."
-        )
+
     problem = canonicalize(q, k, v, statics, q_segment_ids=q_segment_ids,
                            kv_segment_ids=kv_segment_ids, sink=sink, key=key)
     arrays, options = problem.arrays, problem.options
@@ -530,18 +553,21 @@ def ring_attention(
             )
         lens.append(jnp.clip(x.reshape(bsz), 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32))
     module = _backend_module(backend, jax.default_backend())
+    has_lengths = q_seqlens is not None or kv_seqlens is not None
     if not getattr(module, "FOLLOWS_BLOCK_STATE", True):
-        if options.window_left >= 0 or options.window_right >= 0 or options.dropout_rate > 0:
+        if (options.window_left >= 0 or options.window_right >= 0 or options.dropout_rate > 0
+                or (options.causal == 2 and has_lengths)):
             raise ValueError(
-                "`window` and dropout are not supported by context parallelism on GPU: cuDNN's "
-                "masks and dropout generator are static per graph and cannot take a block's "
-                "global position (the CPU kernels can)."
+                "`window`, dropout and a bottom-right mask with lengths are not supported by "
+                "context parallelism on GPU: cuDNN's masks and dropout generator are static per "
+                "graph and cannot take a block's global position (the CPU kernels can)."
             )
     cfg = _Config(
         axis_name=axis_name, strategy=strategy, layout=layout,
         options=options._replace(causal=0, has_seqlens=True), causal=options.causal != 0,
         has_seqlens=q_seqlens is not None or kv_seqlens is not None,
         has_segments=arrays.q_segment_ids is not None, has_sink=arrays.sink is not None,
+        bottom_right_lengths=options.causal == 2 and has_lengths,
         backend=module,
     )
     out, lse, row_max = _ring(
