@@ -59,3 +59,31 @@ def test_zigzag_on_one_device(strategy, causal):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         scale = max(1.0, float(np.abs(w).max()))
         assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_attention_inside_shard_map_on_one_device(check_vma):
+    """`attnaux.attention` (the platform's flash backend: cuDNN on GPU) inside `jax.shard_map`,
+    forward and gradients with a replicated sink, against the same call outside (issue 20; the
+    multi-device runs are in `tests/spmd/test_spmd.py`)."""
+    gpu = jax.default_backend() == "gpu"
+    dtype, tol = (jnp.bfloat16, 2e-2) if gpu else (jnp.float32, 1e-5)
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(ks[0], (2, 64, 4, 64), dtype)
+    k = jax.random.normal(ks[1], (2, 64, 2, 64), dtype)
+    v = jax.random.normal(ks[2], (2, 64, 2, 64), dtype)
+    sink = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
+
+    def loss(q, k, v, sink):
+        out, aux = ax.attention(q, k, v, causal=True, sink=sink, backend="flash")
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(aux.lse)
+
+    f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+                              in_specs=(P("x"), P("x"), P("x"), P()),
+                              out_specs=(P("x"), P("x"), P("x"), P()), check_vma=check_vma))
+    for g, w, name in zip(f(q, k, v, sink), jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sink),
+                          ("q", "k", "v", "sink")):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert float(np.abs(g - w).max()) <= tol * max(1.0, float(np.abs(w).max())), f"d{name}"
