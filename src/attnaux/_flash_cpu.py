@@ -38,7 +38,7 @@ def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
                        dropout=("rng_state", True))
     backward = KernelOp(BWD_TARGET, CANONICAL_OPERANDS + _BACKWARD_EXTRA, GRADIENTS,
                         gradient_shapes, attrs, sequential_if_present=("rng_state",),
-                       dropout=("rng_state", True))
+                        dropout=("rng_state", True))
     return forward, backward
 
 

@@ -14,9 +14,10 @@
   the result shapes every attention kernel shares.
 - `fixed_order_sum`: reductions whose result does not depend on XLA's threading.
 
-The rest of the layer is `_masking.py`: the masking rules and the hidden-row pass (q and k/v
-rows that take part in no visible pair zeroed before a kernel multiplies them). Neither module
-imports any other part of attnaux, so every backend is one level above them.
+The rest of the layer is `_masking.py` (the masking rules and the hidden-row pass: q and k/v
+rows that take part in no visible pair zeroed before a kernel multiplies them) and
+`_partition.py` (the sharding rules of every kernel call, `jax.shard_map` and `jax.export`
+support). They import nothing else of attnaux, so every backend sits above them.
 
 Absent operands and results are `(0,)` arrays (the kernels' convention).
 """
@@ -334,9 +335,9 @@ def compiled_vjp(forward: Callable, backward: Callable) -> Callable:
 
 def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
     """Sum over `axis` (kept as size 1) by pairwise halving: elementwise adds only, so the result
-    never depends on how XLA splits a reduction over threads (its own reductions do). Under
-    sharding each device halves its own shard and a `psum` adds the shards' sums (halving across
-    devices would move data between them)."""
+    never depends on how XLA splits a reduction over threads (its own reductions do). In a
+    program that runs on several devices, where `axis` may be sharded, it is XLA's sum instead
+    (shard sums and one all-reduce: halving across devices would move data between them)."""
     return _fixed_order_sum_over(axis)(x)
 
 
@@ -462,10 +463,10 @@ def probs_kernel_primitive(fwd_target: str, bwd_target: str) -> Callable:
         attrs = attention_attrs(options)
         forward = KernelOp(fwd_target, CANONICAL_OPERANDS, ("out", "lse", "max", "probs"),
                            forward_shapes, attrs, sequential_if_present=("rng_state",),
-                       dropout=("rng_state", True))
+                           dropout=("rng_state", True))
         backward = KernelOp(bwd_target, CANONICAL_OPERANDS + _PROBS_BACKWARD_EXTRA, GRADIENTS,
                             gradient_shapes, attrs, sequential_if_present=("rng_state",),
-                       dropout=("rng_state", True))
+                            dropout=("rng_state", True))
         return forward, backward
 
     def forward(options, named, write_probs):

@@ -7,8 +7,8 @@ zeroing below, and, through `attnaux._internal`, the blockwise recomputations of
 `zero_hidden_rows` before its kernels multiply them.
 
 The functions take the canonical arrays and options (`_canon.Canonical`, `_canon.Options`) and
-read them by field; this module imports nothing else of attnaux, so it sits at the bottom of the
-import graph next to `_canon.py`.
+read them by field; this module imports only `_partition.py` of attnaux (for the varying axes of
+`jax.shard_map`), so it sits near the bottom of the import graph.
 """
 
 from typing import Any

@@ -15,10 +15,16 @@ that names the dims of every operand and result of every kernel:
 
 Shardy propagates shardings through the kernel with the matching einsum-like rule (query heads
 as the compound factor `(kv_heads group)`); the partition callback then checks the shardings it
-is handed and lowers the kernel on the local shapes. A kernel whose dropout counter follows
-global indices gets the shard's origin (`dropout_origin`), so a sharded call draws the mask of
-the unsharded one. Inside `jax.shard_map` (every mesh axis manual) JAX lowers the kernel as it
-is, and `match_vma` gives its results the varying axes of its operands.
+is handed (in XLA's terms: ways per dim and device order, so no mesh axis needs a name) and
+lowers the kernel on the local shapes. A kernel whose dropout counter follows global indices
+gets the shard's origin (`dropout_origin`, from `arange` operands sharded like the batch and the
+heads), so a sharded call draws the mask of the unsharded one. Inside `jax.shard_map` (every
+mesh axis manual) the kernel is lowered as it is, and `match_vma` gives its results the varying
+axes of its operands.
+
+Each call is one primitive (`device_aware`) whose lowering picks the partitioned form only where
+the program runs on several devices: `jax.export` lowers without devices, where JAX refuses
+`custom_partitioning`, and gets the plain kernel call (on one device, or inside `shard_map`).
 
 This module imports nothing else of attnaux.
 """

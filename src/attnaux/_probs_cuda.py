@@ -128,7 +128,7 @@ def _ops(options: Options) -> tuple[KernelOp, KernelOp]:
                         ("ds", "weights", "dbias"),
                         functools.partial(_backward_shapes, has_dropout=has_dropout), attrs,
                         sequential_if_present=("rng_state",),
-                       dropout=("rng_state", True))
+                        dropout=("rng_state", True))
     return forward, backward
 
 
