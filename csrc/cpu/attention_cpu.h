@@ -146,7 +146,7 @@ inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, 
   float* drop = scratch.drop.get();
   for (int64_t jb = 0; jb < num_kv_blocks; ++jb) {
     int64_t j0, j1;
-    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    TileKeys(hv, i0, valid, jb, &j0, &j1);
     if (j0 >= j1) continue;
     const int64_t nk = j1 - j0;
     ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr);
@@ -340,7 +340,7 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
   const int64_t i0 = ib * kBlockQ;
   const int64_t valid = std::min(hv.rows.ValidRows(i0), p.q_len - i0);
   int64_t j0, j1;
-  TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+  TileKeys(hv, i0, valid, jb, &j0, &j1);
   if (j0 >= j1) return;
   const int64_t nk = j1 - j0, key_offset = j0 - jb * kBlockK;
   const int64_t n = nk * kBlockQ;

@@ -90,6 +90,40 @@ inline void TileKeys(const RowRanges& rows, int64_t i0, int64_t valid, int64_t j
   *j1 = std::min(jb * kBlockK + kBlockK, rows.Hi(i0 + valid - 1));
 }
 
+// TileKeys, narrowed by the segment ids (the flash kernels' tile predicate, forward and both
+// backward schemes alike): keys whose segment no valid row of the tile has cannot be visible, so
+// they are trimmed from both ends of [*j0, *j1), and a tile whose keys all lie outside the rows'
+// segment range is skipped. With packed sequences (sorted ids) only the tiles that straddle a
+// document boundary are scanned past their first key; those of other documents cost a 64-key
+// scan instead of their matrix products.
+inline void TileKeys(const HeadView& hv, int64_t i0, int64_t valid, int64_t jb, int64_t* j0,
+                     int64_t* j1) {
+  TileKeys(hv.rows, i0, valid, jb, j0, j1);
+  if (hv.q_seg == nullptr || *j0 >= *j1) return;
+  int32_t lo = hv.q_seg[i0], hi = hv.q_seg[i0];
+  for (int64_t r = 1; r < valid; ++r) {
+    lo = std::min(lo, hv.q_seg[i0 + r]);
+    hi = std::max(hi, hv.q_seg[i0 + r]);
+  }
+  int64_t a = *j0, e = *j1;
+  while (a < e && (hv.kv_seg[a] < lo || hv.kv_seg[a] > hi)) ++a;
+  while (e > a && (hv.kv_seg[e - 1] < lo || hv.kv_seg[e - 1] > hi)) --e;
+  *j0 = a;
+  *j1 = e;
+}
+
+// Whether the segment ids leave every (row, key) pair of the tile visible: no ids, or one
+// segment for all its valid rows and keys (inside a packed document), so that the tile needs no
+// per-element mask for them.
+inline bool OneSegment(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1) {
+  if (hv.q_seg == nullptr) return true;
+  const int32_t s = hv.q_seg[i0];
+  bool same = true;
+  for (int64_t r = 1; r < valid; ++r) same &= hv.q_seg[i0 + r] == s;
+  for (int64_t j = j0; j < j1; ++j) same &= hv.kv_seg[j] == s;
+  return same;
+}
+
 // Scores of keys [j0, j1) x the query block in lanes: st[(j - j0) * BQ + lane] = s(i0 + lane, j)
 // with scale, softcap, bias and visibility applied (invisible: -inf). Lanes >= valid are left as
 // computed from zero queries (finite) unless the tile needs masking.
@@ -114,7 +148,7 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
   const RowRanges& rows = hv.rows;
   const bool positions_ok =
       j0 >= rows.Lo(i0 + valid - 1) && j1 <= rows.Hi(i0);
-  const bool needs_mask = hv.mask != nullptr || hv.q_seg != nullptr || !positions_ok;
+  const bool needs_mask = hv.mask != nullptr || !OneSegment(hv, i0, valid, j0, j1) || !positions_ok;
   if (!needs_mask) {
     if (hv.bias == nullptr) return;
     for (int64_t lane = 0; lane < valid; ++lane) {
