@@ -40,7 +40,7 @@ class _Config(NamedTuple):
     axis_name: Any
     strategy: str
     layout: str
-    options: Options  # the block calls' options (causal and the window set per block)
+    options: Options  # the block calls' options (causal is set per block; window at global positions)
     causal: bool
     has_seqlens: bool
     has_segments: bool
