@@ -40,7 +40,7 @@ class _Config(NamedTuple):
     axis_name: Any
     strategy: str
     layout: str
-    options: Options  # the block calls' options (causal is set per block; window at global positions)
+    options: Options  # the block calls' options (causal set per block; the window is global)
     causal: bool
     has_seqlens: bool
     has_segments: bool
