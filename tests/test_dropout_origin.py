@@ -46,16 +46,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("backend", "platform"), CASES)
-def test_a_block_draws_its_part_of_the_whole_mask(backend, platform):
+def _setup(backend: str, platform: str, seed: int):
+    """The backend module, `(q_seq, kv_seq)` and float32 `q, k, v` of a case (skips a GPU case
+    without CUDA kernels)."""
     if platform == "gpu" and (_ffi.ext_cuda() is None or _ffi.KERNELS_CUDA_ERROR is not None):
         pytest.skip("no CUDA kernels in this build")
-    module = _backend(backend)
     q_seq, kv_seq = (1, 12) if backend == "small_seq" else (S, S)
-    ks = jax.random.split(jax.random.key(0), 3)
+    ks = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(ks[0], (B, q_seq, H, D), jnp.float32)
     k = jax.random.normal(ks[1], (B, kv_seq, KV, D), jnp.float32)
     v = jax.random.normal(ks[2], (B, kv_seq, KV, D), jnp.float32)
+    return _backend(backend), (q_seq, kv_seq), (q, k, v)
+
+
+@pytest.mark.parametrize(("backend", "platform"), CASES)
+def test_a_block_draws_its_part_of_the_whole_mask(backend, platform):
+    module, (q_seq, kv_seq), (q, k, v) = _setup(backend, platform, 0)
     causal = backend != "small_seq"
     problem = canonical_problem(q, k, v, dropout_rate=RATE, key=jax.random.key(5), causal=causal)
     arrays, options = problem.arrays, problem.options
@@ -100,14 +106,7 @@ def test_a_block_state_shifts_the_causal_and_window_rules(backend, platform, shi
     queries start at global position q0 and keys at k0 = q0 - shift sees key j from query i iff
     `k0 + j <= q0 + i` and the window holds at those global positions. Reference: the pure-JAX
     backend with that visibility as an explicit boolean mask."""
-    if platform == "gpu" and (_ffi.ext_cuda() is None or _ffi.KERNELS_CUDA_ERROR is not None):
-        pytest.skip("no CUDA kernels in this build")
-    module = _backend(backend)
-    q_seq, kv_seq = (1, 12) if backend == "small_seq" else (S, S)
-    ks = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(ks[0], (B, q_seq, H, D), jnp.float32)
-    k = jax.random.normal(ks[1], (B, kv_seq, KV, D), jnp.float32)
-    v = jax.random.normal(ks[2], (B, kv_seq, KV, D), jnp.float32)
+    module, (q_seq, kv_seq), (q, k, v) = _setup(backend, platform, 1)
     window = (5, 2)
     problem = canonical_problem(q, k, v, causal=True, window=window)
     state = jnp.zeros((12,), jnp.uint32).at[11].set(

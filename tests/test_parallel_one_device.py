@@ -21,17 +21,23 @@ import attnaux.parallel as par
 pytestmark = pytest.mark.skipif(not HAS_FLASH, reason="the compiled kernels are not built")
 
 
+def _setup(axis: str, seq: int, seed: int):
+    """A one-device mesh over `axis`, the tolerance of the platform, and `q, k, v` (GQA 4:2,
+    dim 64) in the platform's flash dtype (bfloat16 for cuDNN)."""
+    gpu = jax.default_backend() == "gpu"
+    dtype, tol = (jnp.bfloat16, 2e-2) if gpu else (jnp.float32, 1e-5)
+    mesh = jax.make_mesh((1,), (axis,), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+    ks = jax.random.split(jax.random.key(seed), 3)
+    heads = (4, 2, 2)
+    return mesh, tol, tuple(jax.random.normal(key, (2, seq, h, 64), dtype)
+                            for key, h in zip(ks, heads))
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_zigzag_on_one_device(strategy, causal):
-    gpu = jax.default_backend() == "gpu"
-    dtype, tol = (jnp.bfloat16, 2e-2) if gpu else (jnp.float32, 1e-5)
-    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:1])
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (2, 128, 4, 64), dtype)
-    k = jax.random.normal(ks[1], (2, 128, 2, 64), dtype)
-    v = jax.random.normal(ks[2], (2, 128, 2, 64), dtype)
+    mesh, tol, (q, k, v) = _setup("sp", seq=128, seed=0)
     seqlens = jnp.asarray([128, 77], jnp.int32)
 
     def cp(q, k, v):
@@ -66,14 +72,7 @@ def test_attention_inside_shard_map_on_one_device(check_vma):
     """`attnaux.attention` (the platform's flash backend: cuDNN on GPU) inside `jax.shard_map`,
     forward and gradients with a replicated sink, against the same call outside (issue 20; the
     multi-device runs are in `tests/spmd/test_spmd.py`)."""
-    gpu = jax.default_backend() == "gpu"
-    dtype, tol = (jnp.bfloat16, 2e-2) if gpu else (jnp.float32, 1e-5)
-    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:1])
-    ks = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(ks[0], (2, 64, 4, 64), dtype)
-    k = jax.random.normal(ks[1], (2, 64, 2, 64), dtype)
-    v = jax.random.normal(ks[2], (2, 64, 2, 64), dtype)
+    mesh, tol, (q, k, v) = _setup("x", seq=64, seed=1)
     sink = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
 
     def loss(q, k, v, sink):

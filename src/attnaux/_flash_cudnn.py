@@ -544,11 +544,17 @@ def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
     problem's probabilities on this block's keys and the row term `rowsum(dout * out) - dlse`:
     the block's exact share of the gradients (rows that see no key at all get lse = +inf, so
     P = 0). The zeroing of hidden and padding rows is differentiated like the forward's."""
-    def prepared(q, k, v):
-        return _prepare(arrays._replace(q=q, k=k, v=v), options)[1][:3]
+    config = []  # the static configuration, found while preparing (once)
 
-    cfg, (_, _, _, bias, q_len, kv_len, rng) = _prepare(arrays, options)
-    (q, k, v), undo = jax.vjp(prepared, arrays.q, arrays.k, arrays.v)
+    def prepared(q, k, v):
+        cfg, (q, k, v, *rest) = _prepare(arrays._replace(q=q, k=k, v=v), options)
+        config.append(cfg)
+        return (q, k, v), tuple(rest)
+
+    (q, k, v), undo, (bias, q_len, kv_len, rng) = jax.vjp(
+        prepared, arrays.q, arrays.k, arrays.v, has_aux=True
+    )
+    cfg = config[0]
     stats = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
     grads = _core_bwd(cfg, ((q, k, v, bias, q_len, kv_len, rng), out, stats),
                       (dout, dlse, None))
