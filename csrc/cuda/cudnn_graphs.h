@@ -55,6 +55,10 @@ enum Uid : int64_t {
   kSeed,      // dropout: cuDNN's Philox seed, int64 (rng_state words 0, 1)
   kOffset,    // dropout: cuDNN's Philox offset, int64 (rng_state words 2, 3)
   kRngDump,   // dropout: cuDNN's keep-mask as float32 0/1 [B, Hq, Sq, Skv] (replay only)
+  kRaggedQ,   // packed (THD) layout: element offset of each sequence in Q, dQ  (int32 [B + 1])
+  kRaggedK,   // ... in K, dK
+  kRaggedV,   // ... in V, dV
+  kRaggedO,   // ... in O, dO
 };
 
 // The static configuration of one forward or backward call: everything a cuDNN graph depends on.
@@ -80,6 +84,10 @@ struct AttnConfig {
   // cuDNN < 9.21) instead of letting the frontend pick; used to measure the max's cost on one
   // engine (benchmarks/gpu_flash.py).
   bool composite = false;
+  // Packed sequences (varlen): Q, K, V, O and their gradients hold the `b` sequences back to back
+  // (`[tokens, heads, dim]`), sequence i starting at the element offset of the ragged-offset
+  // tensors and `sq` / `skv` being the largest lengths. Needs the padding mask (the lengths).
+  bool ragged = false;
 
   bool has_bias() const { return bias_b > 0; }
 
@@ -99,14 +107,14 @@ struct AttnConfig {
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "%s dev%d t%d b%lld hq%lld hk%lld sq%lld skv%lld d%lld dv%lld bias%lldx%lld "
-                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d comp%d dbias%d",
+                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d comp%d dbias%d rag%d",
                   backward ? "bwd" : "fwd", device, dtype, (long long)b, (long long)hq,
                   (long long)hk, (long long)sq, (long long)skv, (long long)d, (long long)dv,
                   (long long)bias_b, (long long)bias_h, (int)padding, causal,
                   (long long)window_left, (long long)window_right, scale_bits,
                   backward ? 0 : (int)with_max, has_bias() ? (int)bias_f32 : 0, softcap_bits,
                   dropout_bits, (int)(rng_dump && !backward), (int)(composite && !backward),
-                  (int)(backward && has_bias() && bias_grad));
+                  (int)(backward && has_bias() && bias_grad), (int)ragged);
     return buf;
   }
 };
@@ -372,6 +380,22 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
   auto Q = tensor("Q", kQ, {c.b, c.hq, c.sq, c.d}, BshdStrides(c.hq, c.sq, c.d));
   auto K = tensor("K", kK, {c.b, c.hk, c.skv, c.d}, BshdStrides(c.hk, c.skv, c.d));
   auto V = tensor("V", kV, {c.b, c.hk, c.skv, c.dv}, BshdStrides(c.hk, c.skv, c.dv));
+  // Packed sequences: one ragged-offset tensor per layout (Q and dQ share theirs, and so on).
+  std::shared_ptr<g::Tensor_attributes> ragged_q, ragged_k, ragged_v, ragged_o;
+  if (c.ragged) {
+    auto offsets = [&](const char* name, int64_t uid) {
+      auto t = tensor(name, uid, {c.b + 1, 1, 1, 1}, {1, 1, 1, 1});
+      t->set_data_type(fe::DataType_t::INT32);
+      return t;
+    };
+    ragged_q = offsets("ragged_q", kRaggedQ);
+    ragged_k = offsets("ragged_k", kRaggedK);
+    ragged_v = offsets("ragged_v", kRaggedV);
+    ragged_o = offsets("ragged_o", kRaggedO);
+    Q->set_ragged_offset(ragged_q);
+    K->set_ragged_offset(ragged_k);
+    V->set_ragged_offset(ragged_v);
+  }
   const std::vector<int64_t> row_dim = {c.b, c.hq, c.sq, 1};
   const std::vector<int64_t> row_stride = {c.hq * c.sq, c.sq, 1, 1};
   const std::vector<int64_t> bias_dim = {c.bias_b, c.bias_h, c.sq, c.skv};
@@ -447,6 +471,7 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
       auto outs = graph->sdpa(Q, K, V, std::move(attrs));
       outs[0]->set_output(true).set_uid(kO).set_dim({c.b, c.hq, c.sq, c.dv}).set_stride(
           BshdStrides(c.hq, c.sq, c.dv));
+      if (c.ragged) outs[0]->set_ragged_offset(ragged_o);
       if (!c.with_max) {
         outs[1]->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT)
             .set_dim(row_dim).set_stride(row_stride);
@@ -454,6 +479,10 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
     } else {
       auto O = tensor("O", kO, {c.b, c.hq, c.sq, c.dv}, BshdStrides(c.hq, c.sq, c.dv));
       auto dO = tensor("dO", kDO, {c.b, c.hq, c.sq, c.dv}, BshdStrides(c.hq, c.sq, c.dv));
+      if (c.ragged) {
+        O->set_ragged_offset(ragged_o);
+        dO->set_ragged_offset(ragged_o);
+      }
       auto stats = tensor("Stats", kStats, row_dim, row_stride);
       stats->set_data_type(fe::DataType_t::FLOAT);
       auto attrs =
@@ -482,6 +511,11 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
           BshdStrides(c.hk, c.skv, c.d));
       grads[2]->set_output(true).set_uid(kDV).set_dim({c.b, c.hk, c.skv, c.dv}).set_stride(
           BshdStrides(c.hk, c.skv, c.dv));
+      if (c.ragged) {
+        grads[0]->set_ragged_offset(ragged_q);
+        grads[1]->set_ragged_offset(ragged_k);
+        grads[2]->set_ragged_offset(ragged_v);
+      }
     }
 
     DeviceGuard guard(c.device);

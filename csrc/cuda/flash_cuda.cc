@@ -48,12 +48,25 @@ ffi::Error CudaError(const std::string& target, const char* what, cudaError_t e)
   return ffi::Error::Internal(target + ": " + what + " failed: " + CudaErrorString(e));
 }
 
-// Shapes shared by the forward and the backward; fills the static part of `c`.
+// The token counts of a call in the packed layout; the padded sizes otherwise (what the [B, S]
+// dims of q/out and k/v hold).
+struct Rows {
+  int64_t q = 0, kv = 0;
+};
+
+// Shapes shared by the forward and the backward; fills the static part of `c`. In the packed
+// (ragged) layout q, k and v are [1, tokens, H, D], the number of sequences is the length of
+// q_seqlens and the padded sizes are the attributes max_seqlen_q / max_seqlen_kv; `offsets` holds
+// the element offsets of each sequence in q, k, v and out (rows 0-3, int32 [4, >= B + 1]). The
+// offsets and lengths are data: the Python layer clamps them so that every sequence lies inside
+// its tensor (docs/kernel_abi.md).
 ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                         ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::U32> rng_state,
-                        float scale, int32_t causal, int64_t window_left, int64_t window_right,
-                        int32_t padding, float softcap, float dropout_rate, AttnConfig* c) {
+                        ffi::Buffer<ffi::S32> offsets, float scale, int32_t causal,
+                        int64_t window_left, int64_t window_right, int32_t padding, float softcap,
+                        float dropout_rate, int32_t ragged, int64_t max_seqlen_q,
+                        int64_t max_seqlen_kv, AttnConfig* c, Rows* rows) {
   const ffi::DataType t = q.element_type();
   if (t != ffi::DataType::BF16 && t != ffi::DataType::F16) {
     return Invalid(target, "q, k and v must be bfloat16 or float16 (cuDNN fused attention).");
@@ -76,6 +89,32 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
   c->dv = vd[3];
   if (auto e = ExpectShape(target, "k", kd, {c->b, c->skv, c->hk, c->d}); e.failure()) return e;
   if (auto e = ExpectShape(target, "v", vd, {c->b, c->skv, c->hk, c->dv}); e.failure()) return e;
+  rows->q = c->sq;
+  rows->kv = c->skv;
+  c->ragged = ragged != 0;
+  if (c->ragged) {
+    if (c->b != 1) {
+      return Invalid(target, "packed sequences take q, k and v as [1, tokens, H, D]; got q " +
+                                 Shape(qd) + ".");
+    }
+    const Dims sd = q_seqlens.dimensions();
+    const Dims od = offsets.dimensions();
+    if (sd.size() != 1 || sd[0] < 1) {
+      return Invalid(target, "packed sequences need q_seqlens [num_seqs >= 1]; got " +
+                                 Shape(sd) + ".");
+    }
+    c->b = sd[0];
+    if (od.size() != 2 || od[0] != 4 || od[1] < c->b + 1) {
+      return Invalid(target, "offsets must be int32 [4, >= num_seqs + 1] = [4, >= " +
+                                 std::to_string(c->b + 1) + "]; got " + Shape(od) + ".");
+    }
+    if (max_seqlen_q < 1 || max_seqlen_kv < 1) {
+      return Invalid(target, "max_seqlen_q and max_seqlen_kv must be >= 1.");
+    }
+    if (padding == 0) return Invalid(target, "packed sequences need padding=1 (the lengths).");
+    c->sq = max_seqlen_q;
+    c->skv = max_seqlen_kv;
+  }
   if (c->b <= 0 || c->sq <= 0 || c->skv <= 0 || c->hq <= 0 || c->hk <= 0) {
     return Invalid(target, "zero-sized problems are handled in Python and never reach cuDNN.");
   }
@@ -87,6 +126,7 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
                                std::to_string(c->d) + ", v_dim " + std::to_string(c->dv) + ".");
   }
   Dims bd = bias.dimensions();
+  if (c->ragged && !Absent(bd)) return Invalid(target, "packed sequences take no bias.");
   if (Absent(bd)) {
     c->bias_b = c->bias_h = 0;
   } else {
@@ -144,8 +184,16 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
 // The variant-pack entries shared by the forward and the backward.
 void PackCommon(const AttnConfig& c, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                 ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::U32> rng_state,
-                std::unordered_map<int64_t, void*>& pack) {
+                ffi::Buffer<ffi::S32> offsets, std::unordered_map<int64_t, void*>& pack) {
   if (c.has_bias()) pack[kBias] = bias.untyped_data();
+  if (c.ragged) {
+    auto* rows = static_cast<int32_t*>(offsets.untyped_data());
+    const int64_t stride = offsets.dimensions()[1];
+    pack[kRaggedQ] = rows;
+    pack[kRaggedK] = rows + stride;
+    pack[kRaggedV] = rows + 2 * stride;
+    pack[kRaggedO] = rows + 3 * stride;
+  }
   if (c.padding) {
     pack[kSeqQ] = q_seqlens.untyped_data();
     pack[kSeqKv] = kv_seqlens.untyped_data();
@@ -190,10 +238,12 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                             ffi::Buffer<ffi::S32> kv_seqlens,
-                            ffi::Buffer<ffi::U32> rng_state, float scale, int32_t causal,
-                            int64_t window_left, int64_t window_right, int32_t padding,
-                            int32_t with_max, int32_t composite, float softcap,
-                            float dropout_rate, int32_t rng_dump,
+                            ffi::Buffer<ffi::U32> rng_state, ffi::Buffer<ffi::S32> offsets,
+                            float scale, int32_t causal, int64_t window_left,
+                            int64_t window_right, int32_t padding, int32_t with_max,
+                            int32_t composite, float softcap, float dropout_rate,
+                            int32_t rng_dump, int32_t ragged, int64_t max_seqlen_q,
+                            int64_t max_seqlen_kv,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse,
                             ffi::Result<ffi::Buffer<ffi::F32>> row_max,
@@ -204,19 +254,22 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   c.device = device;
   c.backward = false;
   c.with_max = with_max != 0;
-  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, rng_state, scale,
-                            causal, window_left, window_right, padding, softcap, dropout_rate,
-                            &c);
+  Rows rows;
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, rng_state, offsets,
+                            scale, causal, window_left, window_right, padding, softcap,
+                            dropout_rate, ragged, max_seqlen_q, max_seqlen_kv, &c, &rows);
       e.failure()) {
     return e;
   }
+  const int64_t out_b = c.ragged ? 1 : c.b;  // the [B, S] dims of q/out and k/v
   c.rng_dump = rng_dump != 0;
   c.composite = composite != 0;
   if (c.rng_dump && c.dropout <= 0.0f) {
     return Invalid(target, "rng_dump needs dropout_rate > 0.");
   }
+  if (c.rng_dump && c.ragged) return Invalid(target, "rng_dump takes no packed sequences.");
   if (out->element_type() != q.element_type()) return Invalid(target, "out must have q's dtype.");
-  if (auto e = ExpectShape(target, "out", out->dimensions(), {c.b, c.sq, c.hq, c.dv});
+  if (auto e = ExpectShape(target, "out", out->dimensions(), {out_b, rows.q, c.hq, c.dv});
       e.failure()) {
     return e;
   }
@@ -257,7 +310,7 @@ ffi::Error FlashForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
     pack[kStats] = lse->untyped_data();
   }
   if (c.rng_dump) pack[kRngDump] = keep_mask->untyped_data();
-  PackCommon(c, bias, q_seqlens, kv_seqlens, rng_state, pack);
+  PackCommon(c, bias, q_seqlens, kv_seqlens, rng_state, offsets, pack);
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
   return ffi::Error::Success();
@@ -267,10 +320,12 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> q_seqlens,
                              ffi::Buffer<ffi::S32> kv_seqlens,
-                             ffi::Buffer<ffi::U32> rng_state, ffi::AnyBuffer out,
-                             ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats, float scale,
-                             int32_t causal, int64_t window_left, int64_t window_right,
-                             int32_t padding, float softcap, float dropout_rate,
+                             ffi::Buffer<ffi::U32> rng_state, ffi::Buffer<ffi::S32> offsets,
+                             ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                             ffi::Buffer<ffi::F32> stats, float scale, int32_t causal,
+                             int64_t window_left, int64_t window_right, int32_t padding,
+                             float softcap, float dropout_rate, int32_t ragged,
+                             int64_t max_seqlen_q, int64_t max_seqlen_kv,
                              ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                              ffi::Result<ffi::AnyBuffer> workspace_buffer) {
@@ -279,36 +334,39 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   c.device = device;
   c.backward = true;
   c.with_max = false;
-  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, rng_state, scale,
-                            causal, window_left, window_right, padding, softcap, dropout_rate,
-                            &c);
+  Rows rows;
+  if (auto e = CommonChecks(target, q, k, v, bias, q_seqlens, kv_seqlens, rng_state, offsets,
+                            scale, causal, window_left, window_right, padding, softcap,
+                            dropout_rate, ragged, max_seqlen_q, max_seqlen_kv, &c, &rows);
       e.failure()) {
     return e;
   }
+  const int64_t out_b = c.ragged ? 1 : c.b;  // the [B, S] dims of q/out and k/v
   const ffi::DataType t = q.element_type();
   if (out.element_type() != t || dout.element_type() != t || dq->element_type() != t ||
       dk->element_type() != t || dv->element_type() != t) {
     return Invalid(target, "out, dout, dq, dk and dv must have q's dtype.");
   }
-  if (auto e = ExpectShape(target, "out", out.dimensions(), {c.b, c.sq, c.hq, c.dv});
+  if (auto e = ExpectShape(target, "out", out.dimensions(), {out_b, rows.q, c.hq, c.dv});
       e.failure()) {
     return e;
   }
-  if (auto e = ExpectShape(target, "dout", dout.dimensions(), {c.b, c.sq, c.hq, c.dv});
+  if (auto e = ExpectShape(target, "dout", dout.dimensions(), {out_b, rows.q, c.hq, c.dv});
       e.failure()) {
     return e;
   }
   if (auto e = ExpectShape(target, "lse", stats.dimensions(), {c.b, c.hq, c.sq}); e.failure()) {
     return e;
   }
-  if (auto e = ExpectShape(target, "dq", dq->dimensions(), {c.b, c.sq, c.hq, c.d}); e.failure()) {
-    return e;
-  }
-  if (auto e = ExpectShape(target, "dk", dk->dimensions(), {c.b, c.skv, c.hk, c.d});
+  if (auto e = ExpectShape(target, "dq", dq->dimensions(), {out_b, rows.q, c.hq, c.d});
       e.failure()) {
     return e;
   }
-  if (auto e = ExpectShape(target, "dv", dv->dimensions(), {c.b, c.skv, c.hk, c.dv});
+  if (auto e = ExpectShape(target, "dk", dk->dimensions(), {out_b, rows.kv, c.hk, c.d});
+      e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape(target, "dv", dv->dimensions(), {out_b, rows.kv, c.hk, c.dv});
       e.failure()) {
     return e;
   }
@@ -355,7 +413,7 @@ ffi::Error FlashBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       {kO, out.untyped_data()},     {kDO, dout.untyped_data()},    {kStats, stats.untyped_data()},
       {kDQ, dq->untyped_data()},    {kDK, dk->untyped_data()},     {kDV, dv->untyped_data()}};
   if (c.has_bias() && c.bias_grad) pack[kDBias] = dbias->untyped_data();
-  PackCommon(c, bias, q_seqlens, kv_seqlens, rng_state, pack);
+  PackCommon(c, bias, q_seqlens, kv_seqlens, rng_state, offsets, pack);
   error = Execute(device, *plan, stream, pack, workspace);
   if (!error.empty()) return ffi::Error::Internal(target + ": " + error);
   return ffi::Error::Success();
@@ -376,7 +434,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
                          float softcap, float dropout, bool rng_dump, bool composite,
-                         bool bias_grad, bool* bias_f32, int64_t* workspace) {
+                         bool bias_grad, bool ragged, bool* bias_f32, int64_t* workspace) {
   AttnConfig c;
   c.device = device;
   c.dtype = dtype;
@@ -399,6 +457,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
   c.softcap = softcap;
   c.dropout = dropout;
   c.bias_grad = bias_grad;
+  c.ragged = ragged;
   c.rng_dump = rng_dump && !backward;
   c.composite = composite && !backward;
   std::string error;
@@ -436,6 +495,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens [B] (read iff padding)
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens [B] (read iff padding)
         .Arg<ffi::Buffer<ffi::U32>>()              // rng_state [4] (read iff dropout) or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()              // offsets [4, >= B+1] (read iff ragged) or (0,)
         .Attr<float>("scale")                      // multiplies q.k
         .Attr<int32_t>("causal")                   // 0 none, 1 top-left, 2 bottom-right
         .Attr<int64_t>("window_left")              // -1 = unbounded
@@ -446,6 +506,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")                    // 0 = off
         .Attr<float>("dropout_rate")               // 0 = off; else cuDNN's Philox from rng_state
         .Attr<int32_t>("rng_dump")                 // 1: also write cuDNN's dropout keep-mask
+        .Attr<int32_t>("ragged")                   // 1: packed sequences (THD), see CommonChecks
+        .Attr<int64_t>("max_seqlen_q")             // ragged: the padded query length
+        .Attr<int64_t>("max_seqlen_kv")            // ragged: the padded key length
         .Ret<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv]
         .Ret<ffi::Buffer<ffi::F32>>()              // sum_exp [B, Hq, Sq] (with_max=1) or lse
         .Ret<ffi::Buffer<ffi::F32>>()              // max [B, Hq, Sq] (or (0,) when with_max=0)
@@ -466,6 +529,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()              // q_seqlens
         .Arg<ffi::Buffer<ffi::S32>>()              // kv_seqlens
         .Arg<ffi::Buffer<ffi::U32>>()              // rng_state (the forward's) or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()              // offsets (the forward's) or (0,)
         .Arg<ffi::AnyBuffer>()                     // out [B, Sq, Hq, Dv']
         .Arg<ffi::AnyBuffer>()                     // dout [B, Sq, Hq, Dv']
         .Arg<ffi::Buffer<ffi::F32>>()              // lse [B, Hq, Sq] (the softmax stats)
@@ -476,6 +540,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("padding")                  // as in the forward
         .Attr<float>("softcap")                    // as in the forward
         .Attr<float>("dropout_rate")               // as in the forward (same mask regenerated)
+        .Attr<int32_t>("ragged")                   // as in the forward
+        .Attr<int64_t>("max_seqlen_q")             // as in the forward
+        .Attr<int64_t>("max_seqlen_kv")            // as in the forward
         .Ret<ffi::AnyBuffer>()                     // dq [B, Sq, Hq, D]
         .Ret<ffi::AnyBuffer>()                     // dk [B, Skv, Hkv, D]
         .Ret<ffi::AnyBuffer>()                     // dv [B, Skv, Hkv, Dv']

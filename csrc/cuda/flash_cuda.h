@@ -33,7 +33,7 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
                          float softcap, float dropout, bool rng_dump, bool composite,
-                         bool bias_grad, bool* bias_f32, int64_t* workspace);
+                         bool bias_grad, bool ragged, bool* bias_f32, int64_t* workspace);
 struct CacheStats {
   int64_t size, builds, hits;
 };

@@ -13,3 +13,5 @@ extern "C" XLA_FFI_Error* AttnauxSmallSeqFwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxSmallSeqBwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxFwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);
+// cuda/zero_rows.cu: rows of padding tokens set to 0 after cuDNN's packed (THD) layout.
+extern "C" XLA_FFI_Error* AttnauxZeroRowsCuda(XLA_FFI_CallFrame* call_frame);

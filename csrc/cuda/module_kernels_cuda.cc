@@ -25,6 +25,7 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_small_seq_bwd"] = attnaux::HandlerCapsule(AttnauxSmallSeqBwdCuda);
         handlers["attnaux_probs_softmax_fwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxFwdCuda);
         handlers["attnaux_probs_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxBwdCuda);
+        handlers["attnaux_zero_rows"] = attnaux::HandlerCapsule(AttnauxZeroRowsCuda);
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "

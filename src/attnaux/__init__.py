@@ -21,6 +21,9 @@ from ._softmax import (
 from ._softmax import (
     softmax_kernel_available as softmax_kernel_available,
 )
+from ._varlen import cu_seqlens_to_segment_ids as cu_seqlens_to_segment_ids
+from ._varlen import segment_ids_to_cu_seqlens as segment_ids_to_cu_seqlens
+from ._varlen import varlen_attention as varlen_attention
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -28,11 +31,14 @@ __all__ = [
     "Explanation",
     "KernelAvailability",
     "attention",
+    "cu_seqlens_to_segment_ids",
     "explain",
     "introspect",
     "nn",
+    "segment_ids_to_cu_seqlens",
     "softmax",
     "softmax_kernel_available",
+    "varlen_attention",
 ]
 
 

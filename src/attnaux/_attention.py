@@ -178,8 +178,10 @@ def attention(
 def explain(q, k, v, **options) -> Explanation:
     """Says which backend `attention(q, k, v, **options)` would run, and why.
 
-    Takes exactly the arguments of [`attnaux.attention`][] (arrays or `jax.ShapeDtypeStruct`s);
-    validates them the same way, runs nothing.
+    Takes exactly the arguments of [`attnaux.attention`][] (arrays or `jax.ShapeDtypeStruct`s),
+    or those of [`attnaux.varlen_attention`][] (then `reasons["packed"]` says whether the
+    sequences are read in place or padded per sequence); validates them the same way, runs
+    nothing.
 
     **Returns:**
 
@@ -187,6 +189,10 @@ def explain(q, k, v, **options) -> Explanation:
     why it was or was not chosen); `print()` it for a readable summary.
     """
     options = dict(options)
+    if "cu_seqlens_q" in options or "cu_seqlens_kv" in options:  # varlen_attention's arguments
+        from ._varlen import explain_varlen
+
+        return explain_varlen(q, k, v, **options)
     statics = _statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
         options.pop("softcap", None), options.pop("dropout_rate", 0.0),

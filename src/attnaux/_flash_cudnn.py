@@ -74,6 +74,7 @@ from ._kernel_call import (
     present,
 )
 from ._masking import zero_hidden_rows
+from ._partition import HEADS, KV_HEADS
 
 FWD_TARGET = "attnaux_flash_fwd_cudnn"
 BWD_TARGET = "attnaux_flash_bwd_cudnn"
@@ -112,6 +113,9 @@ class Config(NamedTuple):
     masked: bool = False  # a boolean mask or segment ids (in the bias): rows may see no key
     composite: bool = False  # forward: pin cuDNN's composite implementation (measurements only)
     bias_grad: bool = True  # backward with a bias: write its gradient (off: a mask-only bias)
+    ragged: bool = False  # packed sequences (cuDNN's THD layout through ragged offsets)
+    max_seqlen_q: int = 0  # ragged: the padded lengths cuDNN's graph is built for
+    max_seqlen_kv: int = 0
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -180,7 +184,7 @@ def _plan(cfg: "Config", backward: bool, dtype: str, bsz, q_heads, kv_heads, q_s
         kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
         cfg.window_right, _f32(cfg.scale), backward, cfg.with_max, try_f32_bias,
         softcap=_f32(cfg.softcap), dropout=_f32(cfg.dropout_rate), rng_dump=rng_dump,
-        composite=cfg.composite, bias_grad=cfg.bias_grad,
+        composite=cfg.composite, bias_grad=cfg.bias_grad, ragged=cfg.ragged,
     )
 
 
@@ -268,8 +272,11 @@ def _masked_bias(a: Canonical, bias, dtype, bsz: int, q_seq: int, kv_seq: int) -
 
 
 def _attrs(cfg: Config) -> dict:
-    # The attention attributes of every kernel (Config has those fields), and cuDNN's padding.
-    return dict(attention_attrs(cfg), padding=np.int32(cfg.padding))
+    # The attention attributes of every kernel (Config has those fields), cuDNN's padding and
+    # the packed layout.
+    return dict(attention_attrs(cfg), padding=np.int32(cfg.padding),
+                ragged=np.int32(cfg.ragged), max_seqlen_q=np.int64(cfg.max_seqlen_q),
+                max_seqlen_kv=np.int64(cfg.max_seqlen_kv))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def _attrs(cfg: Config) -> dict:
 # of cuDNN's mask, so `vmap(f)(x)[n]` would differ from `f(x[n])` and from the replayed mask).
 # ------------------------------------------------------------------------------------------------
 _OPERANDS = (("q", BATCH), ("k", BATCH), ("v", BATCH), ("bias", BROADCAST), ("q_len", BATCH),
-             ("kv_len", BATCH), ("rng", SHARED))
+             ("kv_len", BATCH), ("rng", SHARED), ("offsets", SHARED))
 _BACKWARD_EXTRA = (("out", BATCH), ("dout", BATCH), ("stats", BATCH))
 
 
@@ -347,7 +354,8 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
 def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
-    r = _ops(cfg)[0](q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng)
+    r = _ops(cfg)[0](q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng,
+                     offsets=absent(jnp.int32))
     out, stats, row_max = r["out"], r["stats"], r["max"]
     if cfg.with_max:  # cuDNN gave Max and Sum_exp
         lse = row_max + jnp.log(stats)
@@ -393,8 +401,8 @@ def _core_bwd(cfg: Config, residuals, cotangents):
     backward_op = _ops(cfg)[1]
 
     def call(q, k, v, bias, q_len, kv_len, rng, out, dout, stats):
-        r = backward_op(q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng, out=out,
-                        dout=dout, stats=stats)
+        r = backward_op(q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng,
+                        offsets=absent(jnp.int32), out=out, dout=dout, stats=stats)
         return r["dq"], r["dk"], r["dv"], r["dbias"]
 
     extra = _EXTRA_COLUMNS
@@ -599,7 +607,237 @@ def cudnn_dropout_keep_mask(
         vmap_method="sequential",
     )
     lens = jnp.zeros((batch,), jnp.int32)
-    dump = call(q, k, k, bias, lens, lens, jnp.asarray(rng_state, jnp.uint32),
+    dump = call(q, k, k, bias, lens, lens, jnp.asarray(rng_state, jnp.uint32), absent(jnp.int32),
                 with_max=np.int32(1), composite=np.int32(0), rng_dump=np.int32(1),
                 **_attrs(cfg))[3]
     return dump > 0.5
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed sequences (`attnaux.varlen_attention`): cuDNN's ragged (THD) layout
+# ------------------------------------------------------------------------------------------------
+# q, k and v stay packed, `[1, tokens, heads, dim]`: cuDNN reads sequence i from the element
+# offset `offsets[i]` of each tensor, with the padded sizes `max_seqlen_*` and the lengths as its
+# padding mask, so nothing is gathered, padded or scattered, and the graph does not depend on the
+# number of tokens. It writes only the tokens some sequence covers: `attnaux_zero_rows` then sets
+# the outputs and gradients of the other tokens (and of rows that see no key) to 0, touching only
+# those rows. The statistics come per sequence, `[num_seqs, q_heads, max_seqlen_q]`.
+ZERO_ROWS_TARGET = "attnaux_zero_rows"
+_OFFSET_ROW = 8  # each row of the offsets operand padded to a multiple of 8 int32 (32 bytes)
+_INT32_MAX = 2**31 - 1
+
+_RAGGED_LAYOUTS = {
+    "q": ("one", "q_tokens", HEADS, "qk_dim"), "dq": ("one", "q_tokens", HEADS, "qk_dim"),
+    "k": ("one", "kv_tokens", KV_HEADS, "qk_dim"), "dk": ("one", "kv_tokens", KV_HEADS, "qk_dim"),
+    "v": ("one", "kv_tokens", KV_HEADS, "v_dim"), "dv": ("one", "kv_tokens", KV_HEADS, "v_dim"),
+    "out": ("one", "q_tokens", HEADS, "v_dim"), "dout": ("one", "q_tokens", HEADS, "v_dim"),
+    "stats": ("seqs", HEADS, "q_seq"), "max": ("seqs", HEADS, "q_seq"),
+    "q_len": ("seqs",), "kv_len": ("seqs",), "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
+    "q_keep": ("q_tokens",), "kv_keep": ("kv_tokens",),
+}
+
+
+def _ragged_layout(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The dims of the packed-layout operands: heads may be sharded, tokens and sequences not."""
+    del shape
+    return _RAGGED_LAYOUTS[name]
+
+
+def _element_offsets(q_offsets, kv_offsets, q, k, v, out_dim: int) -> jax.Array:
+    """int32 `[4, R]`: the element offset of each sequence in q, k, v and out (R >= num_seqs + 1,
+    rows padded for alignment), from the token offsets and this device's head counts."""
+    rows = [q_offsets * (q.shape[2] * q.shape[3]), kv_offsets * (k.shape[2] * k.shape[3]),
+            kv_offsets * (v.shape[2] * v.shape[3]), q_offsets * (q.shape[2] * out_dim)]
+    width = -(-q_offsets.shape[0] // _OFFSET_ROW) * _OFFSET_ROW
+    table = jnp.stack(rows).astype(jnp.int32)
+    return jnp.pad(table, ((0, 0), (0, width - table.shape[1])), mode="edge")
+
+
+def _zero_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
+    """`x` `[1, T, ...]` with the rows of tokens where `keep` is False set to 0, in place."""
+    flat = x.reshape(x.shape[1], -1)
+    call = jax.ffi.ffi_call(ZERO_ROWS_TARGET, jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+                            input_output_aliases={0: 0})
+    return call(flat, keep).reshape(x.shape)
+
+
+def _ragged_workspace(cfg: Config, backward: bool, num_seqs: int, q, k, v) -> jax.ShapeDtypeStruct:
+    why, _, size = _plan(cfg, backward, jnp.dtype(q.dtype).name, num_seqs, q.shape[2],
+                         k.shape[2], cfg.max_seqlen_q, cfg.max_seqlen_kv, q.shape[3], v.shape[3],
+                         0, 0, True)
+    if why:
+        raise ValueError(f"backend='flash' (cuDNN) cannot run these packed sequences: {why}")
+    size = max(int(size), 1) if _workspace_mode() == "output" else 0
+    return jax.ShapeDtypeStruct((size,), jnp.uint8)
+
+
+_RAGGED_FORWARD = ("q", "k", "v", "q_len", "kv_len", "q_offsets", "kv_offsets", "q_keep")
+_RAGGED_BACKWARD = (*_RAGGED_FORWARD, "kv_keep", "out", "dout", "stats")
+
+
+@functools.cache
+def _ragged_ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
+    attrs = _attrs(cfg)
+    none_f32, none_u32 = (0,), (0,)
+
+    def forward_shapes(ops):
+        q, v, n = ops["q"], ops["v"], ops["q_len"].shape[0]
+        rows = jax.ShapeDtypeStruct((n, q.shape[2], cfg.max_seqlen_q), jnp.float32)
+        return (jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype), rows, rows)
+
+    def forward(q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep):
+        out, rows, _ = forward_shapes(dict(q=q, v=v, q_len=q_len))
+        call = jax.ffi.ffi_call(FWD_TARGET, (
+            out, rows, rows, jax.ShapeDtypeStruct(none_f32, jnp.float32),
+            _ragged_workspace(cfg, False, q_len.shape[0], q, k, v)))
+        offsets = _element_offsets(q_offsets, kv_offsets, q, k, v, v.shape[-1])
+        out, sum_exp, row_max, _, _ = call(
+            q, k, v, absent(jnp.float32), q_len, kv_len, absent(jnp.uint32), offsets,
+            with_max=np.int32(1), composite=np.int32(0), rng_dump=np.int32(0), **attrs)
+        return _zero_rows(out, q_keep), sum_exp, row_max
+
+    def backward_shapes(ops):
+        return tuple(jax.ShapeDtypeStruct(ops[n].shape, ops[n].dtype) for n in ("q", "k", "v"))
+
+    def backward(q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep, out, dout,
+                 stats):
+        dq, dk, dv = backward_shapes(dict(q=q, k=k, v=v))
+        call = jax.ffi.ffi_call(BWD_TARGET, (
+            dq, dk, dv, jax.ShapeDtypeStruct(none_f32, jnp.float32),
+            _ragged_workspace(cfg, True, q_len.shape[0], q, k, v)))
+        offsets = _element_offsets(q_offsets, kv_offsets, q, k, v, out.shape[-1])
+        dq, dk, dv, _, _ = call(q, k, v, absent(jnp.float32), q_len, kv_len,
+                                absent(jnp.uint32), offsets, out, dout, stats, **attrs)
+        return _zero_rows(dq, q_keep), _zero_rows(dk, kv_keep), _zero_rows(dv, kv_keep)
+
+    del none_u32
+    ops = tuple(
+        KernelOp(target, tuple((name, SHARED) for name in names), results, shapes, {},
+                 layout=_ragged_layout, kernel=kernel, sequential=True)
+        for target, names, results, shapes, kernel in (
+            (FWD_TARGET, _RAGGED_FORWARD, ("out", "stats", "max"), forward_shapes, forward),
+            (BWD_TARGET, _RAGGED_BACKWARD, ("dq", "dk", "dv"), backward_shapes, backward),
+        )
+    )
+    return ops[0], ops[1]
+
+
+def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_offsets,
+                kv_offsets, q_keep, kv_keep):
+    del differentiating
+    r = _ragged_ops(cfg)[0](q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
+                            kv_offsets=kv_offsets, q_keep=q_keep)
+    out, sum_exp, row_max = r["out"], r["stats"], r["max"]
+    lse = row_max + jnp.log(sum_exp)
+    seen = _visible_rows(cfg, q_len, kv_len, cfg.max_seqlen_q)[:, None, :]
+    stats = jnp.where(seen, lse, jnp.inf)  # recomputed P = 0 for rows that see nothing
+    lse = jnp.where(seen, lse, -jnp.inf)
+    row_max = jnp.where(seen, row_max, -jnp.inf)
+    args = (q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep)
+    return (out, lse, row_max), (args, out, stats)
+
+
+def token_rows(offsets: jax.Array, lengths: jax.Array, tokens: int):
+    """`(sequence, position, covered)` of every token, `int32/int32/bool [tokens]`: the sequence
+    holding it (clipped to a valid index), its row in that sequence, and whether a sequence
+    covers it (`offsets`: `[n + 1]`, non-decreasing; `lengths`: `[n]`, each at most its span)."""
+    t = jnp.arange(tokens, dtype=jnp.int32)
+    n = lengths.shape[0]
+    seq = jnp.clip(jnp.searchsorted(offsets[1:], t, side="right").astype(jnp.int32), 0, n - 1)
+    pos = t - offsets[seq]
+    return seq, pos, (pos >= 0) & (pos < lengths[seq])
+
+
+def _ragged_bwd(cfg: Config, residuals, cotangents):
+    (q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep), out, stats = residuals
+    dout, dlse, _ = cotangents
+    nones = (None,) * 6
+    if dout is None and dlse is None:
+        return (None, None, None, *nones)
+    dout = jnp.zeros_like(out) if dout is None else dout.astype(out.dtype)
+    backward_op = _ragged_ops(cfg)[1]
+
+    def call(v, out, dout):
+        r = backward_op(q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
+                        kv_offsets=kv_offsets, q_keep=q_keep, kv_keep=kv_keep, out=out,
+                        dout=dout, stats=stats)
+        return r["dq"], r["dk"], r["dv"]
+
+    if dlse is None:
+        return (*call(v, out, dout), *nones)
+    # The lse cotangent through extra columns, as `_core_bwd` does, per token: `-dlse` of the
+    # token's row of its sequence.
+    seq, pos, _ = token_rows(q_offsets, q_len, q.shape[1])
+    pos = jnp.clip(pos, 0, cfg.max_seqlen_q - 1)
+    dlse = jnp.where(stats < jnp.inf, dlse.astype(jnp.float32), 0.0)
+    per_token = dlse[seq, :, pos]  # [T, Hq]
+    per_token = jnp.where(q_keep[:, None], per_token, 0.0)
+    parts = _split3(-per_token, q.dtype)[None]  # [1, T, Hq, 3]
+    dout = jnp.where(q_keep[None, :, None, None], dout, 0)
+    extra, v_dim = _EXTRA_COLUMNS, v.shape[-1]
+    pad_q = jnp.zeros((*q.shape[:3], extra - 3), q.dtype)
+    if v_dim + extra <= MAX_HEAD_DIM:
+        out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
+        dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
+        v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
+        dq, dk, dv = call(v_x, out_x, dout_x)
+        return (dq, dk, dv[..., :v_dim], *nones)
+    dq, dk, dv = call(v, out, dout)
+    o_1 = jnp.concatenate([parts, pad_q], axis=-1)
+    do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
+    dq1, dk1, _ = call(jnp.zeros((*k.shape[:3], extra), q.dtype), o_1, do_1)
+    dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
+    dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
+    return (dq, dk, dv, *nones)
+
+
+_ragged_core = compiled_vjp(_ragged_fwd, _ragged_bwd)
+
+
+def ragged_config(options: Options, max_seqlen_q: int, max_seqlen_kv: int) -> Config:
+    """The static configuration of a packed call."""
+    cfg = _config(options, max_seqlen_q, max_seqlen_kv, with_max=True)
+    return cfg._replace(padding=True, ragged=True, max_seqlen_q=int(max_seqlen_q),
+                        max_seqlen_kv=int(max_seqlen_kv))
+
+
+def ragged_unavailable(options: Options, dtype, num_seqs: int, q_tokens: int, kv_tokens: int,
+                       q_heads: int, kv_heads: int, qk_dim: int, v_dim: int, max_seqlen_q: int,
+                       max_seqlen_kv: int, platform: str) -> str | None:
+    """Why cuDNN's packed layout cannot serve a packed call (None when it can)."""
+    if not _ffi.has_target(FWD_TARGET, platform) or not _ffi.has_target(ZERO_ROWS_TARGET,
+                                                                         platform):
+        return ("this build of attnaux has no CUDA handlers "
+                f"({_ffi.CUDA_IMPORT_ERROR or _NOT_BUILT})")
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN fused attention takes bfloat16 or float16 inputs, got {dtype.name}"
+    if options.dropout_rate > 0:
+        return ("dropout in cuDNN's packed layout draws a mask that `introspect.dropout_mask` "
+                "cannot replay; packed calls with dropout run padded per sequence")
+    for name, dim in (("qk_dim", qk_dim), ("v_dim", v_dim)):
+        if dim % 8 != 0 or not 8 <= dim <= MAX_HEAD_DIM:
+            return f"cuDNN needs head dims that are multiples of 8 in [8, 256]; got {name}={dim}"
+    widest = max(qk_dim, v_dim + _EXTRA_COLUMNS)
+    if max(q_tokens * q_heads, kv_tokens * kv_heads) * widest > _INT32_MAX:
+        return "more than 2**31 elements per tensor (cuDNN's ragged offsets are int32)"
+    if 0 in (num_seqs, q_tokens, kv_tokens, q_heads):
+        return None  # answered without cuDNN
+    cfg = ragged_config(options, max_seqlen_q, max_seqlen_kv)
+    why, _ = _check(cfg, dtype.name, num_seqs, q_heads, kv_heads, max_seqlen_q, max_seqlen_kv,
+                    qk_dim, v_dim, 0, 0)
+    return why or None
+
+
+def ragged_attention_cuda(q, k, v, *, q_offsets, kv_offsets, q_len, kv_len, q_keep, kv_keep,
+                          options: Options, max_seqlen_q: int, max_seqlen_kv: int):
+    """`(out [Tq, Hq, Dv], lse, max)` of packed sequences through cuDNN's ragged layout, the
+    statistics per sequence `[num_seqs, Hq, max_seqlen_q]` (`ragged_unavailable` is None; no
+    sink: the caller adds it). `*_offsets`: int32 `[n + 1]` token offsets, non-decreasing,
+    within the tokens; `*_len`: int32 `[n]`, each at most its span and `max_seqlen_*`;
+    `q_keep`/`kv_keep`: bool per token, covered by a sequence (and, for queries, seeing a key)."""
+    cfg = ragged_config(options, max_seqlen_q, max_seqlen_kv)
+    out, lse, row_max = _ragged_core(cfg, q[None], k[None], v[None], q_len, kv_len, q_offsets,
+                                     kv_offsets, q_keep, kv_keep)
+    return out[0], lse, row_max

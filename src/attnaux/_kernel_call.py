@@ -109,6 +109,8 @@ class KernelOp:
       kernel's counter takes a shard's origin (attnaux's kernels) or not (cuDNN's).
     - `kernel`: the call on one device's operands, in place of the plain FFI call (for a kernel
       that reshapes its operands first); returns the `returns` results.
+    - `sequential`: under vmap, always map the elements one after another (a kernel whose
+      leading dim is not a batch, such as packed sequences).
 
     Under `jax.jit` with sharded operands the call runs shard-local over batch and heads
     (`_partition.partitioned`); inside `jax.shard_map` it runs on the local block.
@@ -130,6 +132,7 @@ class KernelOp:
         layout: Layout = table_layout,
         dropout: tuple[str, bool] | None = None,
         kernel: Callable[..., tuple[jax.Array, ...]] | None = None,
+        sequential: bool = False,
     ):
         self.target = target
         self.operands = operands
@@ -147,6 +150,7 @@ class KernelOp:
         self._folds = dict(folds or {})
         self._aliases = dict(aliases or {})
         self._kernel = kernel
+        self._sequential = sequential
         self._partitioned = partitioned(
             self._local_call, f"attnaux ({target})", self.names, self.returns, layout=layout,
             dropout=dropout,
@@ -189,6 +193,7 @@ class KernelOp:
         )
         if (
             axis_size == 0
+            or self._sequential
             or shared_batched
             or (self._drops and any(has[name] for name in self._sequential_if_present))
         ):

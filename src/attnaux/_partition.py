@@ -63,7 +63,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "dprobs": _PAIRS, "dq": _Q, "dk": _K, "dv": _V, "dbias": _PAIRS,
     # the CUDA probs kernels and cuDNN's
     "scores": _PAIRS, "dp": _PAIRS, "weights": _PAIRS, "ds": _PAIRS, "stats": _ROWS,
-    "q_len": (BATCH,), "kv_len": (BATCH,), "rng": ("rng_state",),
+    "q_len": (BATCH,), "kv_len": (BATCH,), "rng": ("rng_state",), "offsets": ("offsets",),
 }
 """The dims of every named operand and result of the attention kernels."""
 

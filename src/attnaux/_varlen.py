@@ -1,0 +1,326 @@
+"""`varlen_attention`: packed sequences in the ecosystem's layout (FlashAttention's varlen API).
+
+`q` is `[total_q, q_heads, dim]`, `k`/`v` `[total_kv, kv_heads, dim]`, and sequence `i` holds
+query tokens `cu_seqlens_q[i]:cu_seqlens_q[i + 1]` and key tokens `cu_seqlens_kv[i]:
+cu_seqlens_kv[i + 1]`. Two ways serve it, picked per call (`explain` says which):
+
+- **packed** (GPU `flash`): cuDNN reads the sequences in place through its ragged (THD) layout,
+  `_flash_cudnn.ragged_attention_cuda`; nothing is padded.
+- **padded**: every other backend. The tokens are gathered into `[num_seqs, max_seqlen, heads,
+  dim]` and the call runs with per-sequence lengths (`q_seqlens`/`kv_seqlens`), which the kernels
+  honour exactly (rows past a length are never read; causal and window follow each sequence's
+  own lengths), then the rows are gathered back. The kernels skip what lies past the lengths, so
+  the work is that of the documents; the copies cost O(tokens).
+
+The offsets are data. Where they are concrete (not traced) they are checked and a bad value is an
+error; under `jax.jit` they are made safe instead of checked: clamped into `[0, total]`, made
+non-decreasing (a decrease gives empty sequences) and each length cut to `max_seqlen_*`, so no
+kernel reads outside the arrays.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _flash_cudnn
+from ._aux import AttnAux
+from ._canon import canonicalize, check_key
+from ._dispatch import Explanation, choose
+
+__all__ = ["cu_seqlens_to_segment_ids", "segment_ids_to_cu_seqlens", "varlen_attention"]
+
+
+class Packing(NamedTuple):
+    """The safe offsets of one side (queries or keys) and where each token sits."""
+
+    offsets: jax.Array  # int32 [n + 1]: clamped into [0, total] and non-decreasing
+    lengths: jax.Array  # int32 [n]: each at most its span and max_seqlen
+    seq: jax.Array  # int32 [total]: the sequence of each token (clipped to a valid index)
+    pos: jax.Array  # int32 [total]: its row in that sequence (clipped into [0, max_seqlen))
+    covered: jax.Array  # bool [total]: whether a sequence covers the token
+
+
+def _packing(cu_seqlens: jax.Array, total: int, max_seqlen: int) -> Packing:
+    offsets = jax.lax.cummax(jnp.clip(cu_seqlens.astype(jnp.int32), 0, total))
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], max_seqlen)
+    if lengths.shape[0] == 0:  # no sequences: every token is padding
+        zeros = jnp.zeros((total,), jnp.int32)
+        return Packing(offsets, lengths, zeros, zeros, jnp.zeros((total,), bool))
+    seq, pos, covered = _flash_cudnn.token_rows(offsets, lengths, total)
+    return Packing(offsets, lengths, seq, jnp.clip(pos, 0, max_seqlen - 1), covered)
+
+
+def _padded(x: jax.Array, side: Packing, max_seqlen: int) -> jax.Array:
+    """`[n, max_seqlen, heads, dim]`: sequence i's tokens, then rows the kernels never read."""
+    rows = side.offsets[:-1, None] + jnp.arange(max_seqlen, dtype=jnp.int32)[None, :]
+    return x[jnp.clip(rows, 0, x.shape[0] - 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+def _static_int(name: str, value: object) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be a static Python int; got {value!r}.")
+    if value < 1:
+        raise ValueError(f"`{name}` must be >= 1; got {value}.")
+    return int(value)
+
+
+def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"`{name}` must be [total_tokens, heads, dim]; got shape "
+                             f"{getattr(x, 'shape', type(x).__name__)}.")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"`k` and `v` must share [total_kv, kv_heads]; got k {k.shape} and "
+                         f"v {v.shape}.")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"`q` and `k` must share the head dim; got q {q.shape} and k {k.shape}.")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"`q`'s heads must be a multiple of `k`'s (GQA); got q {q.shape} and "
+                         f"k {k.shape}.")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+        if getattr(cu, "ndim", None) != 1 or cu.shape[0] < 1:
+            raise ValueError(f"`{name}` must be int32 [num_seqs + 1]; got shape "
+                             f"{getattr(cu, 'shape', type(cu).__name__)}.")
+        if jnp.dtype(cu.dtype) != jnp.int32:
+            raise TypeError(f"`{name}` must be int32 [num_seqs + 1]; got {jnp.dtype(cu.dtype)}.")
+    if cu_seqlens_q.shape != cu_seqlens_kv.shape:
+        raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_kv` must hold the same number of "
+                         f"sequences; got {cu_seqlens_q.shape} and {cu_seqlens_kv.shape}.")
+    for name, cu, total, most in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv),
+    ):
+        if isinstance(cu, jax.core.Tracer):
+            continue  # data: made safe, not checked (module docstring)
+        values = np.asarray(cu).astype(np.int64)
+        side = "q" if name.endswith("_q") else "k"
+        if values[0] != 0:
+            raise ValueError(f"`{name}` must start at 0; got {values[0]}.")
+        steps = np.diff(values)
+        if (steps < 0).any():
+            i = int(np.argmax(steps < 0))
+            raise ValueError(f"`{name}` must be non-decreasing; got {values[i]} then "
+                             f"{values[i + 1]} at index {i}.")
+        if values[-1] > total:
+            raise ValueError(f"`{name}` ends at {values[-1]}, past the {total} tokens of "
+                             f"`{side}`.")
+        if steps.size and steps.max() > most:
+            i = int(np.argmax(steps))
+            raise ValueError(f"sequence {i} has {steps[i]} tokens in `{name}`, more than "
+                             f"`max_seqlen_{name.split('_')[-1]}={most}`.")
+
+
+# ------------------------------------------------------------------------------------------------
+# The call
+# ------------------------------------------------------------------------------------------------
+def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
+          return_probs, backend):
+    """`(problem, choice, ragged, explanation, (q packing, kv packing))`: the padded problem, the
+    dispatch's choice for it, whether cuDNN's packed layout serves the call, and the
+    explanation with the way packed input is served (`reasons["packed"]`)."""
+    pq = _packing(cu_q, q.shape[0], max_seqlen_q)
+    pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
+    problem = canonicalize(
+        _padded(q, pq, max_seqlen_q), _padded(k, pk, max_seqlen_kv),
+        _padded(v, pk, max_seqlen_kv), statics, q_seqlens=pq.lengths, kv_seqlens=pk.lengths,
+        sink=sink, key=key,
+    )
+    choice = choose(problem, backend, return_probs)
+    ragged_no = "only the GPU `flash` backend reads packed sequences in place"
+    if choice.implementation.module is _flash_cudnn and not return_probs:
+        ragged_no = _flash_cudnn.ragged_unavailable(
+            problem.options, q.dtype, cu_q.shape[0] - 1, q.shape[0], k.shape[0], q.shape[1],
+            k.shape[1], q.shape[2], v.shape[2], max_seqlen_q, max_seqlen_kv, "gpu",
+        )
+    if ragged_no is None:
+        how = "in place through cuDNN's ragged (THD) layout: nothing is padded"
+    else:
+        how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
+               f"the padding; the copies are O(tokens)): {ragged_no}")
+    explanation = choice.explanation
+    reasons = dict(explanation.reasons, packed=how)
+    return problem, choice, ragged_no is None, Explanation(
+        explanation.backend, explanation.implementation, explanation.platform, reasons,
+        explanation.dropout_impl,
+    ), (pq, pk)
+
+
+@functools.partial(jax.jit, static_argnames=("statics", "max_seqlen_q", "max_seqlen_kv",
+                                             "return_probs", "backend"))
+def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
+                return_probs, backend):
+    problem, choice, ragged, explanation, (pq, pk) = _plan(
+        q, k, v, cu_q, cu_kv, sink, key, statics=statics, max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv, return_probs=return_probs, backend=backend,
+    )
+    arrays, options = problem.arrays, problem.options
+    n = cu_q.shape[0] - 1
+    probs = None
+    if n == 0 or q.shape[0] == 0:
+        out = jnp.zeros((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+        lse = row_max = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
+        if return_probs:
+            probs = jnp.zeros((n, q.shape[1], max_seqlen_q, max_seqlen_kv), q.dtype)
+    else:
+        if ragged:
+            vis = _flash_cudnn._visible_rows(
+                _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), pq.lengths,
+                pk.lengths, max_seqlen_q)
+            q_keep = pq.covered & vis[pq.seq, pq.pos]
+            out, lse_pad, max_pad = _flash_cudnn.ragged_attention_cuda(
+                q, k, v, q_offsets=pq.offsets, kv_offsets=pk.offsets, q_len=pq.lengths,
+                kv_len=pk.lengths, q_keep=q_keep, kv_keep=pk.covered, options=options,
+                max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            )
+        else:
+            out_pad, lse_pad, max_pad, probs = choice.implementation.module.run(
+                arrays, options, return_probs
+            )
+            out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
+        hidden = ~pq.covered[None, :]
+        lse = jnp.where(hidden, -jnp.inf, lse_pad[pq.seq, :, pq.pos].T)
+        row_max = jnp.where(hidden, -jnp.inf, max_pad[pq.seq, :, pq.pos].T)
+        if ragged and sink is not None:  # the padded calls added it already
+            out, lse_sink = _flash_cudnn._with_sink(out[None], lse[None], sink)
+            out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])
+    aux = AttnAux(
+        lse=lse, max=jax.lax.stop_gradient(row_max), probs=probs, rng_state=arrays.rng_state,
+        backend=explanation.backend, dropout_impl=explanation.dropout_impl,
+    )
+    return out, aux
+
+
+def _prepare(q, k, v, options: dict):
+    """Validates `varlen_attention`'s arguments; returns `(cu_q, cu_kv, sink, key, statics)`."""
+    from ._attention import _statics
+
+    options = dict(options)
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")
+    missing = [name for name in names if options.get(name) is None]
+    if missing:
+        raise TypeError(f"varlen_attention needs the keyword arguments {missing}.")
+    cu_q, cu_kv, max_q, max_kv = (options.pop(name) for name in names)
+    max_q, max_kv = _static_int("max_seqlen_q", max_q), _static_int("max_seqlen_kv", max_kv)
+    cu_q, cu_kv = (x if isinstance(x, jax.Array) else np.asarray(x) for x in (cu_q, cu_kv))
+    _check_arrays(q, k, v, cu_q, cu_kv, max_q, max_kv)
+    statics = _statics(
+        options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
+        options.pop("softcap", None), options.pop("dropout_rate", 0.0),
+        options.pop("return_probs", False), options.pop("backend", "auto"),
+    )
+    sink, key = options.pop("sink", None), options.pop("key", None)
+    if options:
+        raise TypeError(f"varlen_attention got unknown options {sorted(options)}; masks, "
+                        "biases, lengths and segment ids are what cu_seqlens express.")
+    if key is not None:
+        check_key(key)
+    return cu_q, cu_kv, sink, key, dict(statics, max_seqlen_q=max_q, max_seqlen_kv=max_kv)
+
+
+def varlen_attention(q, k, v, **options) -> tuple[jax.Array, AttnAux]:
+    """Attention within each of the sequences packed into `q`, `k` and `v`, with its statistics.
+
+    FlashAttention's varlen layout: sequence `i` is query tokens `cu_seqlens_q[i]` to
+    `cu_seqlens_q[i + 1]` and key tokens `cu_seqlens_kv[i]` to `cu_seqlens_kv[i + 1]` (separate
+    offsets, so cross-attention between packed documents works too); every option applies to
+    each sequence on its own (its own causal alignment, window, sink and dropout).
+
+    **Arguments:**
+
+    - `q`: `[total_q, q_heads, qk_dim]`; `k`: `[total_kv, kv_heads, qk_dim]`; `v`: `[total_kv,
+      kv_heads, v_dim]`; `q_heads` a multiple of `kv_heads` (GQA).
+    - `cu_seqlens_q`, `cu_seqlens_kv`: int32 `[num_seqs + 1]`, from 0, non-decreasing, at most
+      the number of tokens. The number of sequences is static; the offsets are data. Tokens past
+      the last offset are padding. Concrete offsets are checked (a clear error); traced ones are
+      clamped so that no sequence leaves the arrays or exceeds `max_seqlen_*`.
+    - `max_seqlen_q`, `max_seqlen_kv`: static ints, the longest sequence of each side.
+    - `scale`, `causal` (`True`/`"top_left"` or `"bottom_right"`, per sequence), `window`,
+      `softcap`, `sink`, `dropout_rate`, `key`, `return_probs`, `backend`: as in
+      [`attnaux.attention`][].
+
+    **Returns:**
+
+    `(out, aux)`: `out` `[total_q, q_heads, v_dim]`; `aux.lse` and `aux.max` float32 `[q_heads,
+    total_q]`. Padding tokens get output 0, `lse = max = -inf` and zero gradients. With
+    `return_probs=True`, `aux.probs` is `[num_seqs, q_heads, max_seqlen_q, max_seqlen_kv]`, each
+    sequence's probabilities from row and column 0. The dropout keep-mask of a call is that of
+    the same sequences padded to `[num_seqs, max_seqlen, heads, dim]`:
+    `introspect.dropout_mask(aux, q_padded, k_padded, dropout_rate=...)` replays it with arrays
+    (or zeros) of those shapes.
+
+    Works under `jax.jit`, `jax.grad` and `jax.vmap`. [`attnaux.explain`][] with the same
+    arguments says which backend runs and whether the sequences are read in place (GPU `flash`:
+    cuDNN's ragged layout) or padded per sequence.
+    """
+    cu_q, cu_kv, sink, key, statics = _prepare(q, k, v, options)
+    return _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, **statics)
+
+
+def explain_varlen(q, k, v, **options) -> Explanation:
+    """`explain` for `varlen_attention`'s arguments (called by `attnaux.explain`)."""
+    cu_q, cu_kv, sink, key, statics = _prepare(q, k, v, options)
+    result: list[Explanation] = []
+
+    def trace(q, k, v, cu_q, cu_kv, sink, key):
+        result.append(_plan(q, k, v, cu_q, cu_kv, sink, key, **statics)[3])
+        return 0
+
+    jax.eval_shape(trace, q, k, v, cu_q, cu_kv, sink, key)
+    return result[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Segment ids <-> cu_seqlens
+# ------------------------------------------------------------------------------------------------
+def segment_ids_to_cu_seqlens(segment_ids, *, max_segments: int, padding_id: int | None = None):
+    """`cu_seqlens` int32 `[max_segments + 1]` of the runs of equal ids in a packed row.
+
+    `segment_ids`: `int[total]`, each document one run of equal ids (ids need not be sorted or
+    distinct between runs: every change of id starts a new sequence). Tokens with `padding_id`
+    (if given) are left uncovered; they must come after the documents (offsets describe
+    contiguous spans). `max_segments` is the static number of
+    sequences: unused ones are empty (their offsets repeat the end), and a row with more runs
+    than `max_segments` raises where the ids are concrete; traced, the runs past the bound are
+    left uncovered (padding). Works under jit.
+    """
+    max_segments = _static_int("max_segments", max_segments)
+    ids = jnp.asarray(segment_ids)
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"`segment_ids` must be int [total]; got {ids.dtype} {ids.shape}.")
+    total = ids.shape[0]
+    real = jnp.ones((total,), bool) if padding_id is None else ids != padding_id
+    starts = real & jnp.concatenate([jnp.ones((min(total, 1),), bool), ids[1:] != ids[:-1]])
+    run = jnp.cumsum(starts) - 1  # the run index of every token
+    if not isinstance(ids, jax.core.Tracer) and total:
+        runs = int(np.asarray(starts).sum())
+        if runs > max_segments:
+            raise ValueError(f"`segment_ids` holds {runs} runs, more than "
+                             f"`max_segments={max_segments}`.")
+    t = jnp.arange(total, dtype=jnp.int32)
+    end = jnp.max(jnp.where(real & (run < max_segments), t + 1, 0), initial=0).astype(jnp.int32)
+    # offset of run r = index of its first token; runs that do not exist start at `end`
+    first = jnp.full((max_segments,), end, jnp.int32)
+    first = first.at[jnp.where(starts, run, max_segments)].min(
+        t, mode="drop")
+    return jnp.concatenate([first, end[None]]).astype(jnp.int32)
+
+
+def cu_seqlens_to_segment_ids(cu_seqlens, total: int, *, padding_id: int = -1):
+    """`int32[total]`: the sequence index of every token under `cu_seqlens`, `padding_id` for
+    tokens that no sequence covers. Works under jit (`total` static)."""
+    total = int(total)
+    cu = jnp.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"`cu_seqlens` must be int32 [num_seqs + 1]; got shape {cu.shape}.")
+    n = cu.shape[0] - 1
+    if n == 0:
+        return jnp.full((total,), padding_id, jnp.int32)
+    offsets = jax.lax.cummax(jnp.clip(cu.astype(jnp.int32), 0, total))
+    seq, _, covered = _flash_cudnn.token_rows(offsets, offsets[1:] - offsets[:-1], total)
+    return jnp.where(covered, seq, padding_id).astype(jnp.int32)

@@ -1,0 +1,298 @@
+"""`attnaux.varlen_attention` and the cu_seqlens helpers: parity with the pure-JAX `reference`
+run on each sequence alone (float32, tolerance 2e-5 on CPU; bf16 on GPU, 2e-2), padding tokens,
+bad input, jit / grad / vmap. The GPU tests (cuDNN's ragged layout) skip without a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnaux as ax
+from attnaux import introspect
+
+GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU (cuDNN's packed layout)")
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _arrays(q_lens, kv_lens, *, heads=(4, 2), dims=(16, 16), extra=(3, 2), dtype=jnp.float32,
+            seed=0):
+    rng = np.random.default_rng(seed)
+    tq, tk = sum(q_lens) + extra[0], sum(kv_lens) + extra[1]
+    q = rng.standard_normal((tq, heads[0], dims[0]))
+    k = rng.standard_normal((tk, heads[1], dims[0]))
+    v = rng.standard_normal((tk, heads[1], dims[1]))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _per_sequence(q, k, v, cu_q, cu_kv, *, loss=None, **options):
+    """The reference: each sequence alone through `attention(backend="reference")` in float32;
+    padding tokens 0 / -inf."""
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    outs = jnp.zeros((q.shape[0], q.shape[1], v.shape[2]), jnp.float32)
+    lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
+    for i in range(len(cu_q) - 1):
+        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_kv[i]), int(cu_kv[i + 1])
+        if b == a:
+            continue
+        o, aux = ax.attention(f32(q[a:b]), f32(k[c:d]), f32(v[c:d]), backend="reference",
+                              **options)
+        outs = outs.at[a:b].set(o)
+        lse = lse.at[:, a:b].set(aux.lse)
+    return outs, lse
+
+
+def _compare(out, aux, want_out, want_lse, tol):
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=tol, rtol=tol)
+    got = np.asarray(aux.lse)
+    assert np.array_equal(np.isneginf(got), np.isneginf(np.asarray(want_lse)))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(got[finite], np.asarray(want_lse)[finite], atol=tol, rtol=tol)
+
+
+# empty sequences, length 1, longer than a tile (the CPU tile is 64 rows), padding at the end
+Q_LENS = (5, 0, 1, 70, 9)
+KV_LENS = (7, 3, 1, 66, 0)
+OPTIONS = [
+    dict(),
+    dict(causal=True),
+    dict(causal="bottom_right"),
+    dict(window=(4, 0)),
+    dict(causal=True, softcap=5.0),
+    dict(scale=0.3, window=(3, 2)),
+]
+
+
+@pytest.mark.parametrize("backend", ["flash", "probs", "reference"])
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_parity_cpu(backend, options):
+    q, k, v = _arrays(Q_LENS, KV_LENS)
+    cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)
+    out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                   max_seqlen_q=70, max_seqlen_kv=66, backend=backend, **options)
+    assert out.shape == (q.shape[0], 4, 16) and aux.lse.shape == aux.max.shape == (4, q.shape[0])
+    want_out, want_lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
+    _compare(out, aux, want_out, want_lse, 2e-5)
+    assert not np.asarray(out[sum(Q_LENS):]).any()  # padding tokens
+    assert np.isneginf(np.asarray(aux.max[:, sum(Q_LENS):])).all()
+
+
+def _loss_fn(fn, with_lse=True):
+    def loss(q, k, v):
+        out, aux = fn(q, k, v)
+        w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        lse = jnp.where(jnp.isfinite(aux.lse), aux.lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * w) + (0.1 * jnp.sum(lse**2) if with_lse else 0)
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["flash", "probs"])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(2, 5)), dict()], ids=str)
+def test_gradients_cpu(backend, options):
+    q, k, v = _arrays(Q_LENS, KV_LENS, heads=(4, 1))
+    cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)
+    sink = jnp.asarray([0.5, -1.0, 0.0, 2.0])
+
+    def ours(q, k, v):
+        return ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                   max_seqlen_q=70, max_seqlen_kv=66, backend=backend,
+                                   sink=sink, **options)
+
+    def ref(q, k, v):
+        # the same sequences padded by hand, through the materialising reference
+        outs, lses = [], []
+        out = jnp.zeros((q.shape[0], q.shape[1], v.shape[2]))
+        lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf)
+        for i in range(len(Q_LENS)):
+            a, b, c, d = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+            if b == a:
+                continue
+            o, x = ax.attention(q[a:b], k[c:d], v[c:d], backend="reference", sink=sink,
+                                **options)
+            out = out.at[a:b].set(o)
+            lse = lse.at[:, a:b].set(x.lse)
+        del outs, lses
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    got = jax.grad(_loss_fn(ours), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+    # padding tokens get zero gradients
+    assert not np.asarray(got[0][sum(Q_LENS):]).any()
+    assert not np.asarray(got[1][sum(KV_LENS):]).any()
+
+
+def test_nan_in_padding_never_leaks():
+    q, k, v = _arrays(Q_LENS, KV_LENS)
+    nq, nk = sum(Q_LENS), sum(KV_LENS)
+    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
+    cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)
+    for backend in ("flash", "probs", "reference"):
+        def fn(q, k, v, backend=backend):
+            return ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                       max_seqlen_q=70, max_seqlen_kv=66, causal=True,
+                                       backend=backend)
+        out, aux = fn(q, k, v)
+        assert np.isfinite(np.asarray(out)).all(), backend
+        grads = jax.grad(_loss_fn(fn, with_lse=False), argnums=(0, 1, 2))(q, k, v)
+        assert all(np.isfinite(np.asarray(g)).all() for g in grads), backend
+
+
+def test_jit_vmap_and_traced_offsets():
+    q, k, v = _arrays(Q_LENS, KV_LENS)
+    cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)
+
+    @jax.jit
+    def f(q, k, v, cu_q, cu_kv):
+        return ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                   max_seqlen_q=70, max_seqlen_kv=66, causal=True)
+
+    out, aux = f(q, k, v, cu_q, cu_kv)
+    want_out, want_lse = _per_sequence(q, k, v, cu_q, cu_kv, causal=True)
+    _compare(out, aux, want_out, want_lse, 2e-5)
+    # vmap over a leading axis: each element its own packing
+    qs, ks, vs = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
+    outs, auxs = jax.vmap(f, in_axes=(0, 0, 0, None, None))(qs, ks, vs, cu_q, cu_kv)
+    np.testing.assert_allclose(outs[0], out, atol=1e-6)
+    want_out, _ = _per_sequence(q[::-1], k[::-1], v[::-1], cu_q, cu_kv, causal=True)
+    np.testing.assert_allclose(outs[1], want_out, atol=2e-5)
+
+
+def test_traced_bad_offsets_are_clamped_not_read_out_of_bounds():
+    q, k, v = _arrays((4, 4), (4, 4), extra=(0, 0))
+    f = jax.jit(lambda cu: ax.varlen_attention(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=3, max_seqlen_kv=3)[0])
+    # past the end, decreasing, and a sequence longer than max_seqlen: clamped, cut, finite
+    out = f(jnp.asarray([0, 5, 100], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+    want, _ = _per_sequence(q, k, v, [0, 3, 5, 8], [0, 3, 5, 8])  # [0, 3) and [5, 8) alone
+    np.testing.assert_allclose(out[:3], want[:3], atol=2e-5)
+    np.testing.assert_allclose(out[5:8], want[5:8], atol=2e-5)
+    assert not np.asarray(out[3:5]).any()
+    out = f(jnp.asarray([0, 6, 2], jnp.int32))  # decreasing: the second sequence is empty
+    assert not np.asarray(out[3:]).any()
+
+
+def test_dropout_mask_replay():
+    q, k, v = _arrays(Q_LENS, KV_LENS)
+    cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)
+    key = jax.random.key(3)
+    out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                   max_seqlen_q=70, max_seqlen_kv=66, dropout_rate=0.3, key=key,
+                                   return_probs=True, backend="probs")
+    n = len(Q_LENS)
+    keep = introspect.dropout_mask(aux, jnp.zeros((n, 70, 4, 16)), jnp.zeros((n, 66, 2, 16)),
+                                   dropout_rate=0.3)
+    p = aux.probs * keep / 0.7  # [n, H, 70, 66]
+    for i in range(n):
+        a, b, c, d = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+        if b == a or d == c:
+            continue
+        vv = jnp.repeat(v[c:d], 2, axis=1)
+        want = jnp.einsum("hqk,khd->qhd", p[i, :, : b - a, : d - c], vv)
+        np.testing.assert_allclose(out[a:b], want, atol=2e-5)
+
+
+def test_segment_ids_round_trip():
+    ids = jnp.asarray([7, 7, 3, 3, 3, 7, 1, -1, -1], jnp.int32)
+    cu = ax.segment_ids_to_cu_seqlens(ids, max_segments=6, padding_id=-1)
+    np.testing.assert_array_equal(cu, [0, 2, 5, 6, 7, 7, 7])
+    back = ax.cu_seqlens_to_segment_ids(cu, 9)
+    np.testing.assert_array_equal(back, [0, 0, 1, 1, 1, 2, 3, -1, -1])
+    jitted = jax.jit(lambda x: ax.segment_ids_to_cu_seqlens(x, max_segments=2))(ids)
+    np.testing.assert_array_equal(jitted, [0, 2, 5])  # runs past the bound: uncovered
+    with pytest.raises(ValueError, match="more than `max_segments=2`"):
+        ax.segment_ids_to_cu_seqlens(ids, max_segments=2)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(cu_seqlens_q=np.asarray([0, 3, 9], np.int64)), "must be int32"),
+        (dict(cu_seqlens_q=np.asarray([1, 3, 9], np.int32)), "must start at 0"),
+        (dict(cu_seqlens_q=np.asarray([0, 5, 3], np.int32)), "non-decreasing"),
+        (dict(cu_seqlens_q=np.asarray([0, 3, 99], np.int32)), "past the 12 tokens of `q`"),
+        (dict(cu_seqlens_q=np.asarray([0, 3], np.int32)), "same number of sequences"),
+        (dict(max_seqlen_q=4), "more than `max_seqlen_q=4`"),
+        (dict(max_seqlen_kv=2.0), "static Python int"),
+        (dict(mask=np.ones((3, 3), bool)), "unknown options"),
+    ],
+)
+def test_bad_input(change, match):
+    q, k, v = _arrays((3, 6), (3, 6), extra=(3, 3))
+    args = dict(cu_seqlens_q=_cu((3, 6)), cu_seqlens_kv=_cu((3, 6)), max_seqlen_q=6,
+                max_seqlen_kv=6)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ax.varlen_attention(q, k, v, **args)
+
+
+def test_explain_says_how_packed_input_is_served():
+    q, k, v = _arrays(Q_LENS, KV_LENS)
+    e = ax.explain(q, k, v, cu_seqlens_q=_cu(Q_LENS), cu_seqlens_kv=_cu(KV_LENS),
+                   max_seqlen_q=70, max_seqlen_kv=66, causal=True, backend="flash")
+    assert e.backend == "flash"
+    expected = "ragged" if GPU else "padded"
+    assert expected in e.reasons["packed"]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: cuDNN's packed (THD) layout
+# ------------------------------------------------------------------------------------------------
+GPU_Q_LENS = (130, 0, 1, 257, 64, 33)
+GPU_KV_LENS = (130, 5, 1, 257, 64, 0)
+
+
+@gpu_only
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal="bottom_right"),
+                                     dict(window=(32, 0)), dict(causal=True, softcap=20.0)],
+                         ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_gpu_ragged_parity(options, heads):
+    q, k, v = _arrays(GPU_Q_LENS, GPU_KV_LENS, heads=heads, dims=(64, 64), extra=(7, 9),
+                      dtype=jnp.bfloat16)
+    nq, nk = sum(GPU_Q_LENS), sum(GPU_KV_LENS)
+    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
+    cu_q, cu_kv = _cu(GPU_Q_LENS), _cu(GPU_KV_LENS)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
+                backend="flash", **options)
+    assert "ragged" in ax.explain(q, k, v, **args).reasons["packed"]
+    fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
+    out, aux = fn(q, k, v)
+    want_out, want_lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
+    _compare(out, aux, np.nan_to_num(want_out), want_lse, 2e-2)
+    # gradients (with an lse term) against the float32 reference
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
+    got = jax.grad(_loss_fn(fn), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
+    for g, w in zip(got, want):
+        g = np.asarray(g, np.float32)
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
+    assert not np.asarray(got[0][nq:], np.float32).any()
+    assert not np.asarray(got[1][nk:], np.float32).any()
+
+
+@gpu_only
+def test_gpu_ragged_matches_batched_flash():
+    # equal lengths: the packed call equals the batched cuDNN call of the same documents
+    n, length = 4, 256
+    q, k, v = _arrays((length,) * n, (length,) * n, heads=(8, 8), dims=(128, 128), extra=(0, 0),
+                      dtype=jnp.bfloat16)
+    cu = _cu((length,) * n)
+    out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   max_seqlen_q=length, max_seqlen_kv=length, causal=True)
+    batched = lambda x: x.reshape(n, length, *x.shape[1:])  # noqa: E731
+    want, want_aux = ax.attention(batched(q), batched(k), batched(v), causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(want.reshape(out.shape), np.float32), atol=1e-2)
+    np.testing.assert_allclose(aux.lse, want_aux.lse.transpose(1, 0, 2).reshape(8, -1),
+                               atol=1e-3)
