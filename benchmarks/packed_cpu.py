@@ -1,10 +1,13 @@
 """Packed sequences on CPU: the same documents packed into one row (segment ids) against
-batched (one row each), `attnaux.attention(backend="flash")`, float32, side by side in one run.
+batched (one row each), `attnaux.attention` with the `flash` and `probs` backends, float32, side
+by side in one run.
 
-`python benchmarks/packed_cpu.py [--lengths 4096 16384] [--docs 4 16 64]`: for each total length
+`python benchmarks/packed_cpu.py [--lengths 2048 16384] [--docs 4 16 64]`: for each total length
 T and number of documents (equal lengths T / docs), heads 8 x dim 64, causal and not, the
 forward and forward+backward times (best of `--repeats` after a warm-up) and packed / batched.
-The packed call's kernels skip the (query tile, key tile) pairs whose segments differ."""
+`probs` (with `return_probs=True`: P is written, [1, 8, T, T] packed) runs where its P fits,
+T <= `--probs-max-length`. The packed call's kernels skip the (query tile, key tile) pairs whose
+segments differ; `probs` still writes the zeros of P there, which batched does not have."""
 
 import argparse
 import time
@@ -27,41 +30,48 @@ def best(fn, *args, repeats):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 16384])
     parser.add_argument("--docs", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--backends", nargs="+", default=["flash", "probs"])
+    parser.add_argument("--probs-max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     h, d = 8, 64
     print(f"attnaux {ax.__version__}, JAX {jax.__version__}, float32, heads {h} x dim {d}\n")
-    print("| T | docs | causal | packed fwd ms | batched fwd ms | ratio | packed fwd+bwd ms "
-          "| batched fwd+bwd ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | T | docs | causal | packed fwd ms | batched fwd ms | ratio "
+          "| packed fwd+bwd ms | batched fwd+bwd ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for total in args.lengths:
         keys = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(key, (1, total, h, d)) for key in keys)
-        for docs in args.docs:
-            seg = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), total // docs)[None]
-            for causal in (False, True):
-                def packed(q, k, v, seg=seg, causal=causal):
-                    return ax.attention(q, k, v, causal=causal, q_segment_ids=seg,
-                                        kv_segment_ids=seg, backend="flash")
+        for backend in args.backends:
+            if backend == "probs" and total > args.probs_max_length:
+                continue
+            options = dict(backend=backend, return_probs=backend == "probs")
+            for docs in args.docs:
+                seg = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), total // docs)[None]
+                for causal in (False, True):
+                    def packed(q, k, v, seg=seg, causal=causal, options=options):
+                        return ax.attention(q, k, v, causal=causal, q_segment_ids=seg,
+                                            kv_segment_ids=seg, **options)
 
-                def batched(q, k, v, docs=docs, causal=causal, total=total):
-                    shape = (docs, total // docs, h, d)
-                    return ax.attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
-                                        causal=causal, backend="flash")
+                    def batched(q, k, v, docs=docs, causal=causal, total=total, options=options):
+                        shape = (docs, total // docs, h, d)
+                        return ax.attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
+                                            causal=causal, **options)
 
-                row = []
-                for fn in (packed, batched):
-                    fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v)[0])
-                    grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)[0])
-                                            + jnp.sum(fn(q, k, v)[1].lse), argnums=(0, 1, 2)))
-                    row.append((best(fwd, q, k, v, repeats=args.repeats),
-                                best(grad, q, k, v, repeats=args.repeats)))
-                (pf, pb), (bf, bb) = row
-                print(f"| {total} | {docs} | {'yes' if causal else 'no'} | {pf * 1e3:.1f} | "
-                      f"{bf * 1e3:.1f} | {pf / bf:.2f} | {pb * 1e3:.1f} | {bb * 1e3:.1f} | "
-                      f"{pb / bb:.2f} |", flush=True)
+                    row = []
+                    for fn in (packed, batched):
+                        # The forward returns P too (probs), so that it is computed and written.
+                        fwd = jax.jit(lambda q, k, v, fn=fn: (fn(q, k, v)[0], fn(q, k, v)[1].probs))
+                        grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)[0])
+                                                + jnp.sum(fn(q, k, v)[1].lse), argnums=(0, 1, 2)))
+                        row.append((best(fwd, q, k, v, repeats=args.repeats),
+                                    best(grad, q, k, v, repeats=args.repeats)))
+                    (pf, pb), (bf, bb) = row
+                    print(f"| {backend} | {total} | {docs} | {'yes' if causal else 'no'} | "
+                          f"{pf * 1e3:.1f} | {bf * 1e3:.1f} | {pf / bf:.2f} | {pb * 1e3:.1f} | "
+                          f"{bb * 1e3:.1f} | {pb / bb:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

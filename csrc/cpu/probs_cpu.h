@@ -19,7 +19,10 @@
 //   three gradient products. A task owns dK/dV of one (batch, kv head) (or a fixed share of its
 //   query blocks, summed in order afterwards, when there are few of them), so every output is
 //   reduced in a fixed order and results do not depend on the number of threads.
-// Inputs are read only where visible, as in the flash kernels.
+// Both visit the flash kernels' tiles (TileKeys with the segment ids): with packed sequences,
+// causal masks, windows or lengths, a (query block, key tile) pair with no visible pair costs
+// nothing but writing its zeros into P (and dbias). Inputs are read only where visible, as in the
+// flash kernels.
 #ifndef ATTNAUX_CSRC_CPU_PROBS_CPU_H_
 #define ATTNAUX_CSRC_CPU_PROBS_CPU_H_
 
@@ -196,20 +199,39 @@ inline void PackProbsKv(const AttentionParams& p, int64_t b, int64_t hkv, const 
   }
 }
 
-// Zeroes what the tiles of a query block did not write: keys outside [jlo, jhi) of rows
-// [0, valid), and whole rows [valid, rows).
-inline void ZeroOutsideTiles(Elem elem, void* dst, int64_t row0, int64_t skv, int64_t valid,
-                             int64_t rows, int64_t jlo, int64_t jhi) {
-  for (int64_t lane = 0; lane < rows; ++lane) {
-    const int64_t base = row0 + lane * skv;
-    if (lane >= valid || jlo >= jhi) {
-      FillZero(elem, dst, base, skv);
-    } else {
-      FillZero(elem, dst, base, jlo);
-      FillZero(elem, dst, base + jhi, skv - jhi);
+// Zeroes the entries of a query block's rows of a [.., Sq, Skv] output (P, dbias) that no tile
+// writes: the keys between and around the visited tiles of rows [0, valid) (no visible pair
+// there, so the value is exactly 0), and whole rows [valid, rows). Tiles are visited in key
+// order: Tile(j0, j1) before writing keys [j0, j1), Finish() after the last one. With unsorted
+// segment ids a skipped tile can sit between two visited ones, hence gaps and not only edges.
+class UnvisitedKeys {
+ public:
+  UnvisitedKeys(Elem elem, void* dst, int64_t row0, int64_t skv, int64_t valid, int64_t rows)
+      : elem_(elem), dst_(dst), row0_(row0), skv_(skv), valid_(valid), rows_(rows) {}
+  void Tile(int64_t j0, int64_t j1) {
+    Zero(next_, j0);
+    next_ = j1;
+  }
+  void Finish() {
+    if (dst_ == nullptr) return;
+    Zero(next_, skv_);
+    for (int64_t lane = valid_; lane < rows_; ++lane) {
+      FillZero(elem_, dst_, row0_ + lane * skv_, skv_);
     }
   }
-}
+
+ private:
+  void Zero(int64_t j_begin, int64_t j_end) const {
+    if (dst_ == nullptr || j_begin >= j_end) return;
+    for (int64_t lane = 0; lane < valid_; ++lane) {
+      FillZero(elem_, dst_, row0_ + lane * skv_ + j_begin, j_end - j_begin);
+    }
+  }
+  Elem elem_;
+  void* dst_;
+  int64_t row0_, skv_, valid_, rows_;
+  int64_t next_ = 0;
+};
 
 // Element index of (b, h, i, 0) in a [B, Hq, Sq, Skv] array.
 inline int64_t ProbsRow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
@@ -285,14 +307,14 @@ inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_
     m[v] = Splat(-kInf);
     l[v] = VecF{};
   }
+  // Tiles (and edge keys) that no row of the block sees are skipped (TileKeys with the segment
+  // ids, as in flash): their scores would be -inf, adding exp(-inf) = 0 to the sums and leaving
+  // the running max, so skipping them changes no bit of lse, max, P or out.
   const int64_t nkb = CeilDiv(skv, kBlockK);
-  int64_t jlo = skv, jhi = 0;
   for (int64_t jb = 0; jb < nkb; ++jb) {
     int64_t j0, j1;
-    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    TileKeys(hv, i0, valid, jb, &j0, &j1);
     if (j0 >= j1) continue;
-    jlo = std::min(jlo, j0);
-    jhi = std::max(jhi, j1);
     const int64_t nk = j1 - j0;
     float* st = sc.scores.get() + j0 * kBlockQ;
     ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr);
@@ -328,10 +350,12 @@ inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_
   float* ot = sc.ot.get();
   std::fill(ot, ot + dv * kBlockQ, 0.0f);
   const int64_t row0 = ProbsRow(p, b, h, i0);
+  UnvisitedKeys unvisited(p.elem, o.probs, row0, skv, valid, rows_in_block);
   for (int64_t jb = 0; jb < nkb; ++jb) {
     int64_t j0, j1;
-    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    TileKeys(hv, i0, valid, jb, &j0, &j1);
     if (j0 >= j1) continue;
+    unvisited.Tile(j0, j1);
     const int64_t nk = j1 - j0;
     float* st = sc.scores.get() + j0 * kBlockQ;
     for (int v = 0; v < kQVectors; ++v) {
@@ -356,9 +380,7 @@ inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_
     }
     GemmLanes<1>(dv, nk, kv.v_rows + j0 * dv, dv, w, kBlockQ, kQVectors, ot, kBlockQ, true);
   }
-  if (o.probs != nullptr) {
-    ZeroOutsideTiles(p.elem, o.probs, row0, skv, valid, rows_in_block, jlo, jhi);
-  }
+  unvisited.Finish();
   TransposeBlock(ot, kBlockQ, dv, kBlockQ, sc.rows.get(), dv);
   for (int64_t lane = 0; lane < rows_in_block; ++lane) {
     StoreRow(p.elem, o.out, ((b * p.q_len + i0 + lane) * p.q_heads + h) * dv, dv,
@@ -451,19 +473,18 @@ inline void ProbsBackwardBlock(const AttentionParams& p, const ProbsBackwardInpu
   const int64_t nkb = CeilDiv(skv, kBlockK);
   VecF dt[kQVectors];
   for (int v = 0; v < kQVectors; ++v) dt[v] = VecF{};
-  int64_t jlo = skv, jhi = 0;
+  // The tiles of the forward (TileKeys with the segment ids): P is 0 on the others, so their dS
+  // and their terms of Dt and of every gradient are exactly 0 and not computed.
   for (int64_t jb = 0; jb < nkb; ++jb) {
     int64_t j0, j1;
-    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    TileKeys(hv, i0, valid, jb, &j0, &j1);
     if (j0 >= j1) continue;
-    jlo = std::min(jlo, j0);
-    jhi = std::max(jhi, j1);
     const int64_t nk = j1 - j0, key_offset = j0 - jb * kBlockK;
     float* pt = sc.probs.get() + j0 * kBlockQ;
     float* dpt = sc.dprobs.get() + j0 * kBlockQ;
     if (jb + 1 < nkb) {  // P rows are 4 * Skv bytes apart: too sparse for the hardware prefetcher
       int64_t n0, n1;
-      TileKeys(hv.rows, i0, valid, jb + 1, &n0, &n1);
+      TileKeys(hv, i0, valid, jb + 1, &n0, &n1);
       if (n0 < n1) PrefetchTileRows(in.probs, row0, skv, valid, n0, n1 - n0, elem_size);
     }
     LoadTileRows(p.elem, in.probs, row0, skv, valid, j0, nk, pt);
@@ -497,10 +518,12 @@ inline void ProbsBackwardBlock(const AttentionParams& p, const ProbsBackwardInpu
   // Pass 2: dS = P * (dPt - Dt) (= dbias), dR (softcap), and the three gradient products.
   float* dqt = sc.dqt.get();
   std::fill(dqt, dqt + d * kBlockQ, 0.0f);
+  UnvisitedKeys unvisited(Elem::kF32, o.dbias, row0, skv, valid, rows_in_block);
   for (int64_t jb = 0; jb < nkb; ++jb) {
     int64_t j0, j1;
-    TileKeys(hv.rows, i0, valid, jb, &j0, &j1);
+    TileKeys(hv, i0, valid, jb, &j0, &j1);
     if (j0 >= j1) continue;
+    unvisited.Tile(j0, j1);
     const int64_t nk = j1 - j0, n = nk * kBlockQ;
     const float* pt = sc.probs.get() + j0 * kBlockQ;
     float* ds = sc.dprobs.get() + j0 * kBlockQ;
@@ -533,9 +556,7 @@ inline void ProbsBackwardBlock(const AttentionParams& p, const ProbsBackwardInpu
                        dp, true);
     GemmLanes<1>(d, nk, kv.k_rows + j0 * d, d, ds, kBlockQ, kQVectors, dqt, kBlockQ, true);
   }
-  if (o.dbias != nullptr) {
-    ZeroOutsideTiles(Elem::kF32, o.dbias, row0, skv, valid, rows_in_block, jlo, jhi);
-  }
+  unvisited.Finish();
   StoreQGrads(p, o, b, h, i0, i0 + rows_in_block, dqt);
 }
 
