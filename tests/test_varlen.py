@@ -28,21 +28,25 @@ def _arrays(q_lens, kv_lens, *, heads=(4, 2), dims=(16, 16), extra=(3, 2), dtype
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-def _per_sequence(q, k, v, cu_q, cu_kv, *, loss=None, **options):
-    """The reference: each sequence alone through `attention(backend="reference")` in float32;
-    padding tokens 0 / -inf."""
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    outs = jnp.zeros((q.shape[0], q.shape[1], v.shape[2]), jnp.float32)
-    lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
-    for i in range(len(cu_q) - 1):
-        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_kv[i]), int(cu_kv[i + 1])
-        if b == a:
-            continue
-        o, aux = ax.attention(f32(q[a:b]), f32(k[c:d]), f32(v[c:d]), backend="reference",
-                              **options)
-        outs = outs.at[a:b].set(o)
-        lse = lse.at[:, a:b].set(aux.lse)
-    return outs, lse
+def _per_sequence(q, k, v, cu_q, cu_kv, **options):
+    """The reference: each sequence alone, in float32, through `attention(backend="reference")`
+    (pure JAX) on the sequences padded by hand with their lengths; padding tokens 0 / -inf.
+    Differentiable in q, k and v."""
+    cu_q, cu_kv = np.asarray(cu_q), np.asarray(cu_kv)
+    q_len, kv_len = np.diff(cu_q), np.diff(cu_kv)
+    mq, mk = max(int(q_len.max(initial=0)), 1), max(int(kv_len.max(initial=0)), 1)
+    rows_q = np.minimum(cu_q[:-1, None] + np.arange(mq), q.shape[0] - 1)
+    rows_kv = np.minimum(cu_kv[:-1, None] + np.arange(mk), k.shape[0] - 1)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    out, aux = ax.attention(f32(q)[rows_q], f32(k)[rows_kv], f32(v)[rows_kv],
+                            q_seqlens=q_len, kv_seqlens=kv_len, backend="reference", **options)
+    seq = np.searchsorted(cu_q[1:], np.arange(q.shape[0]), side="right")
+    covered = seq < len(q_len)
+    seq = np.minimum(seq, len(q_len) - 1)
+    pos = np.clip(np.arange(q.shape[0]) - cu_q[seq], 0, mq - 1)
+    out = jnp.where(covered[:, None, None], out[seq, pos], 0.0)
+    lse = jnp.where(covered[None], aux.lse[seq, :, pos].T, -jnp.inf)
+    return out, lse
 
 
 def _compare(out, aux, want_out, want_lse, tol):
@@ -102,19 +106,7 @@ def test_gradients_cpu(backend, options):
                                    sink=sink, **options)
 
     def ref(q, k, v):
-        # the same sequences padded by hand, through the materialising reference
-        outs, lses = [], []
-        out = jnp.zeros((q.shape[0], q.shape[1], v.shape[2]))
-        lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf)
-        for i in range(len(Q_LENS)):
-            a, b, c, d = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
-            if b == a:
-                continue
-            o, x = ax.attention(q[a:b], k[c:d], v[c:d], backend="reference", sink=sink,
-                                **options)
-            out = out.at[a:b].set(o)
-            lse = lse.at[:, a:b].set(x.lse)
-        del outs, lses
+        out, lse = _per_sequence(q, k, v, cu_q, cu_kv, sink=sink, **options)
         return out, ax.AttnAux(lse=lse, max=lse)
 
     got = jax.grad(_loss_fn(ours), argnums=(0, 1, 2))(q, k, v)
@@ -263,14 +255,14 @@ def test_gpu_ragged_parity(options, heads):
     assert "ragged" in ax.explain(q, k, v, **args).reasons["packed"]
     fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
     out, aux = fn(q, k, v)
-    want_out, want_lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
-    _compare(out, aux, np.nan_to_num(want_out), want_lse, 2e-2)
+    clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
+    want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, **options)
+    _compare(out, aux, want_out, want_lse, 2e-2)
     # gradients (with an lse term) against the float32 reference
     def ref(q, k, v):
         out, lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
         return out, ax.AttnAux(lse=lse, max=lse)
 
-    clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
     got = jax.grad(_loss_fn(fn), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
     for g, w in zip(got, want):

@@ -126,6 +126,7 @@ struct Plan {
   int64_t workspace = 0;
   bool bias_f32 = true;
   std::shared_ptr<ScoreModifier> modifier;  // attnaux's score modifier, when the graph has one
+  int64_t plan_index = -1;  // the candidate plan built (ATTNAUX_CUDNN_PLAN), -1: the heuristics'
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -523,14 +524,37 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
     if (!e.is_good()) return FeMessage(e, "validate");
     e = graph->build_operation_graph(handle);
     if (!e.is_good()) return FeMessage(e, "build_operation_graph");
-    e = graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+    // Measurement knobs (benchmarks only; unset in normal use): ATTNAUX_CUDNN_HEUR=B asks
+    // cuDNN's heuristics mode B instead of A, ATTNAUX_CUDNN_PLAN=<i> builds the i-th candidate
+    // plan instead of the heuristics' first, ATTNAUX_CUDNN_VERBOSE=1 lists the candidates.
+    const char* heur = std::getenv("ATTNAUX_CUDNN_HEUR");
+    const bool mode_b = heur != nullptr && std::string(heur) == "B";
+    e = graph->create_execution_plans(
+        {mode_b ? fe::HeurMode_t::B : fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (!e.is_good()) return FeMessage(e, "create_execution_plans");
     e = graph->check_support(handle);
     if (!e.is_good()) return FeMessage(e, "check_support");
-    e = graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+    if (std::getenv("ATTNAUX_CUDNN_VERBOSE") != nullptr) {
+      const int64_t count = graph->get_execution_plan_count();
+      for (int64_t i = 0; i < count; ++i) {
+        std::string name;
+        (void)graph->get_plan_name_at_index(i, name);
+        std::fprintf(stderr, "attnaux cuDNN %s plan %lld: %s\n", c.Key().c_str(), (long long)i,
+                     name.c_str());
+      }
+    }
+    const char* pick = std::getenv("ATTNAUX_CUDNN_PLAN");
+    if (pick != nullptr) {
+      plan->plan_index = std::atoll(pick);
+      e = graph->build_plan_at_index(handle, plan->plan_index);
+    } else {
+      e = graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+    }
     if (!e.is_good()) return FeMessage(e, "build_plans");
     int64_t workspace = 0;
-    e = graph->get_workspace_size(workspace);
+    e = plan->plan_index >= 0
+            ? graph->get_workspace_size_plan_at_index(plan->plan_index, workspace)
+            : graph->get_workspace_size(workspace);
     if (!e.is_good()) return FeMessage(e, "get_workspace_size");
     plan->graph = graph;
     plan->workspace = workspace;
@@ -663,7 +687,10 @@ inline std::string Execute(int device, const Plan& plan, cudaStream_t stream,
     if (status != CUDNN_STATUS_SUCCESS) {
       return std::string("cudnnSetStream failed: ") + fe::detail::get_error_string(status);
     }
-    fe::error_t e = plan.graph->execute(dev->handle, pack, workspace);
+    fe::error_t e =
+        plan.plan_index >= 0
+            ? plan.graph->execute_plan_at_index(dev->handle, pack, workspace, plan.plan_index)
+            : plan.graph->execute(dev->handle, pack, workspace);
     if (!e.is_good()) return FeMessage(e, "cuDNN execute");
   } catch (const std::exception& ex) {
     return std::string("cuDNN execute: ") + ex.what();

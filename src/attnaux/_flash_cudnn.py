@@ -694,7 +694,8 @@ def _ragged_ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
         offsets = _element_offsets(q_offsets, kv_offsets, q, k, v, v.shape[-1])
         out, sum_exp, row_max, _, _ = call(
             q, k, v, absent(jnp.float32), q_len, kv_len, absent(jnp.uint32), offsets,
-            with_max=np.int32(1), composite=np.int32(0), rng_dump=np.int32(0), **attrs)
+            with_max=np.int32(cfg.with_max), composite=np.int32(0), rng_dump=np.int32(0),
+            **attrs)
         return _zero_rows(out, q_keep), sum_exp, row_max
 
     def backward_shapes(ops):
@@ -744,7 +745,11 @@ def token_rows(offsets: jax.Array, lengths: jax.Array, tokens: int):
     covers it (`offsets`: `[n + 1]`, non-decreasing; `lengths`: `[n]`, each at most its span)."""
     t = jnp.arange(tokens, dtype=jnp.int32)
     n = lengths.shape[0]
-    seq = jnp.clip(jnp.searchsorted(offsets[1:], t, side="right").astype(jnp.int32), 0, n - 1)
+    # seq[t] = how many sequences end at or before t: a histogram of the ends and its running
+    # sum, O(tokens + n) with no loop (a searchsorted is a while loop, a host round trip per
+    # step on GPU).
+    ends = jnp.zeros((tokens + 1,), jnp.int32).at[jnp.clip(offsets[1:], 0, tokens)].add(1)
+    seq = jnp.minimum(jnp.cumsum(ends[:tokens]), n - 1).astype(jnp.int32)
     pos = t - offsets[seq]
     return seq, pos, (pos >= 0) & (pos < lengths[seq])
 
