@@ -44,6 +44,10 @@ struct AttentionParams {
   // CUDA kernels' former argument struct (the same kernel-parameter offsets, the same code).
   float dropout_rate = 0.0f;
   Elem elem = Elem::kF32;
+  // CPU kernels: the smallest and largest segment id of every 64-row query tile and 64-key
+  // tile, [batch, tiles, 2] (cpu/attention_mask.h's TileSegments), or nullptr.
+  const int32_t* q_segment_tiles = nullptr;
+  const int32_t* kv_segment_tiles = nullptr;
   // A 12-word rng_state (with or without dropout): this call is a block of a larger
   // [B, Hq, Sq, Skv] problem (a shard under SPMD, a block pair of context parallelism). Words
   // 4..10 give its origin and the global sizes (DropoutIndex), word 11 the diagonal shift of its

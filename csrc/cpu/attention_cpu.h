@@ -230,8 +230,10 @@ inline int64_t BatchChunk(int64_t per_batch_floats, int64_t batch) {
                              std::max<int64_t>(batch, 1));
 }
 
-inline void FlashForward(const AttentionParams& p, const ForwardOutputs& outputs,
+inline void FlashForward(const AttentionParams& params, const ForwardOutputs& outputs,
                          ffi::ThreadPool* pool) {
+  const TileSegments segment_tiles(params);
+  const AttentionParams p = segment_tiles.With(params);
   if (p.batch == 0 || p.q_len == 0) return;
   const KvPackLayout layout(p, /*bwd=*/false);
   const int64_t chunk = BatchChunk(p.kv_heads * layout.size(), p.batch);
@@ -433,8 +435,10 @@ inline void StoreQGrads(const AttentionParams& p, const BackwardOutputs& outputs
 //  - two passes: dK/dV per (batch, kv head, kv block), then dQ per (batch, head, query block).
 // Both visit the same tiles and accumulate every output in the same order (dK/dV: query head,
 // then query block; dQ: key block), so they give bitwise identical results.
-inline void FlashBackward(const AttentionParams& p, const BackwardInputs& in,
+inline void FlashBackward(const AttentionParams& params, const BackwardInputs& in,
                           const BackwardOutputs& outputs, ffi::ThreadPool* pool) {
+  const TileSegments segment_tiles(params);
+  const AttentionParams p = segment_tiles.With(params);
   if (p.batch == 0) return;
   const int64_t d = p.head_dim, group = p.group();
   const KvPackLayout kv_layout(p, /*bwd=*/true);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "common/attention_params.h"
 #include "common/philox.h"
@@ -52,6 +53,8 @@ struct HeadView {
   const bool* mask = nullptr;
   const int32_t* q_seg = nullptr;
   const int32_t* kv_seg = nullptr;
+  const int32_t* q_seg_tiles = nullptr;   // (min, max) q id per query tile, or nullptr
+  const int32_t* kv_seg_tiles = nullptr;  // (min, max) kv id per key tile, or nullptr
   float sink = -kInf;
   bool has_sink = false;
   uint32_t drop_threshold = 0;
@@ -64,6 +67,10 @@ struct HeadView {
     if (p.q_segment_ids != nullptr) {
       q_seg = p.q_segment_ids + b * p.q_len;
       kv_seg = p.kv_segment_ids + b * p.kv_len;
+      if (p.kv_segment_tiles != nullptr) {
+        q_seg_tiles = p.q_segment_tiles + b * 2 * ((p.q_len + kBlockQ - 1) / kBlockQ);
+        kv_seg_tiles = p.kv_segment_tiles + b * 2 * ((p.kv_len + kBlockK - 1) / kBlockK);
+      }
     }
     if (p.sink != nullptr) {
       sink = p.sink[h];
@@ -101,9 +108,23 @@ inline void TileKeys(const HeadView& hv, int64_t i0, int64_t valid, int64_t jb, 
   TileKeys(hv.rows, i0, valid, jb, j0, j1);
   if (hv.q_seg == nullptr || *j0 >= *j1) return;
   int32_t lo = hv.q_seg[i0], hi = hv.q_seg[i0];
-  for (int64_t r = 1; r < valid; ++r) {
-    lo = std::min(lo, hv.q_seg[i0 + r]);
-    hi = std::max(hi, hv.q_seg[i0 + r]);
+  if (hv.q_seg_tiles != nullptr && i0 % kBlockQ == 0) {
+    // the whole query tile's range (a superset when `valid` stops short: still exact, as only
+    // keys outside it are trimmed)
+    lo = hv.q_seg_tiles[2 * (i0 / kBlockQ)];
+    hi = hv.q_seg_tiles[2 * (i0 / kBlockQ) + 1];
+  } else {
+    for (int64_t r = 1; r < valid; ++r) {
+      lo = std::min(lo, hv.q_seg[i0 + r]);
+      hi = std::max(hi, hv.q_seg[i0 + r]);
+    }
+  }
+  if (hv.kv_seg_tiles != nullptr) {
+    const int32_t* ids = hv.kv_seg_tiles + 2 * jb;
+    if (ids[1] < lo || ids[0] > hi) {  // no key of the tile in the rows' id range
+      *j1 = *j0;
+      return;
+    }
   }
   int64_t a = *j0, e = *j1;
   while (a < e && (hv.kv_seg[a] < lo || hv.kv_seg[a] > hi)) ++a;
@@ -111,6 +132,47 @@ inline void TileKeys(const HeadView& hv, int64_t i0, int64_t valid, int64_t jb, 
   *j0 = a;
   *j1 = e;
 }
+
+// The smallest and largest segment id of every query tile and key tile, per batch row: with
+// them TileKeys finds a query tile's id range in O(1) and rejects a key tile of other documents
+// in O(1), instead of scanning 64 rows and 64 keys per (query tile, key tile) pair (which made
+// packed rows cost O(S^2 / 64) scans). Built once per kernel call by its entry, which runs on
+// `With(params)`.
+class TileSegments {
+ public:
+  explicit TileSegments(const AttentionParams& p) {
+    if (p.q_segment_ids == nullptr || p.q_len == 0 || p.kv_len == 0) return;
+    Fill(p.q_segment_ids, p.batch, p.q_len, kBlockQ, &q_);
+    Fill(p.kv_segment_ids, p.batch, p.kv_len, kBlockK, &kv_);
+  }
+  AttentionParams With(const AttentionParams& p) const {
+    AttentionParams with = p;
+    with.q_segment_tiles = q_.empty() ? nullptr : q_.data();
+    with.kv_segment_tiles = kv_.empty() ? nullptr : kv_.data();
+    return with;
+  }
+
+ private:
+  static void Fill(const int32_t* all_ids, int64_t batch, int64_t len, int64_t tile,
+                   std::vector<int32_t>* ranges) {
+    const int64_t tiles = (len + tile - 1) / tile;
+    ranges->resize(static_cast<size_t>(batch * tiles * 2));
+    for (int64_t b = 0; b < batch; ++b) {
+      const int32_t* ids = all_ids + b * len;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t end = std::min(len, (t + 1) * tile);
+        int32_t lo = ids[t * tile], hi = lo;
+        for (int64_t j = t * tile + 1; j < end; ++j) {
+          lo = std::min(lo, ids[j]);
+          hi = std::max(hi, ids[j]);
+        }
+        (*ranges)[(b * tiles + t) * 2] = lo;
+        (*ranges)[(b * tiles + t) * 2 + 1] = hi;
+      }
+    }
+  }
+  std::vector<int32_t> q_, kv_;
+};
 
 // Whether the segment ids leave every (row, key) pair of the tile visible: no ids, or one
 // segment for all its valid rows and keys (inside a packed document), so that the tile needs no

@@ -388,8 +388,10 @@ inline void ProbsForwardBlock(const AttentionParams& p, const KvPack& kv, int64_
   }
 }
 
-inline void ProbsForward(const AttentionParams& p, const ProbsForwardOutputs& o,
+inline void ProbsForward(const AttentionParams& params, const ProbsForwardOutputs& o,
                          ffi::ThreadPool* pool) {
+  const TileSegments segment_tiles(params);
+  const AttentionParams p = segment_tiles.With(params);
   if (p.batch == 0 || p.q_len == 0 || p.q_heads == 0) return;
   const ProbsKvLayout layout(p, /*fwd=*/true);
   const int64_t chunk = BatchChunk(p.kv_heads * layout.size(), p.batch);
@@ -569,8 +571,10 @@ inline int64_t BackwardShares(const AttentionParams& p, int64_t units) {
   return std::clamp<int64_t>(CeilDiv(kMinTasks, pairs), 1, std::max<int64_t>(units, 1));
 }
 
-inline void ProbsBackward(const AttentionParams& p, const ProbsBackwardInputs& in,
+inline void ProbsBackward(const AttentionParams& params, const ProbsBackwardInputs& in,
                           const BackwardOutputs& o, ffi::ThreadPool* pool) {
+  const TileSegments segment_tiles(params);
+  const AttentionParams p = segment_tiles.With(params);
   if (p.batch == 0 || p.q_heads == 0) return;
   const ProbsKvLayout layout(p, /*fwd=*/false);
   const int64_t group = p.group(), nqb = CeilDiv(p.q_len, kBlockQ);

@@ -70,10 +70,83 @@ def diagonal_shift(arrays: Canonical) -> jax.Array | int:
 _USAGE_BLOCK = 512  # key columns per step when finding the rows no visible pair uses
 
 
+def _band(arrays: Canonical, options: Options, rows: int, cols: int, lengths_rows, lengths_cols,
+          transpose: bool) -> tuple[jax.Array, jax.Array]:
+    """`(lo, hi)`, `int32[B, rows]`: the band of columns each row may see (empty where lo > hi)
+    from the lengths, causal and window rules, both non-decreasing in the row. With `transpose`
+    the rows are keys and the columns queries (the band of queries that may see each key)."""
+    if transpose:
+        q_lo, q_hi = _band(arrays, options, cols, rows, lengths_cols, lengths_rows, False)
+        j = jnp.arange(rows, dtype=jnp.int32)[None, :]
+        real = jnp.arange(cols, dtype=jnp.int32)[None, :] < lengths_cols[:, None]
+        # queries i with lo_i <= j <= hi_i: hi is non-decreasing, so those with hi_i >= j start
+        # at the first such i; lo is non-decreasing, so those with lo_i <= j end at the last
+        # such i. Padding queries (empty bands) are excluded by `real`.
+        big = jnp.iinfo(jnp.int32).max
+        keys = jnp.broadcast_to(j, (q_hi.shape[0], rows))
+        count = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
+        first = count(jnp.where(real, q_hi, big), keys, "left")  # queries with hi_i < j
+        last = count(jnp.where(real, q_lo, big), keys, "right")  # queries with lo_i <= j
+        hi = jnp.minimum(last.astype(jnp.int32) - 1, lengths_cols[:, None] - 1)
+        return first.astype(jnp.int32), hi
+    i = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    q_len, kv_len = lengths_rows[:, None], lengths_cols[:, None]
+    offset = (kv_len - q_len if options.causal == 2 else 0) + diagonal_shift(arrays)
+    lo = jnp.zeros_like(i + offset)
+    hi = jnp.broadcast_to(kv_len - 1, (q_len.shape[0], rows))
+    right = 0 if options.causal else options.window_right
+    if right >= 0:
+        hi = jnp.minimum(hi, i + offset + right)
+    if options.window_left >= 0:
+        lo = jnp.maximum(lo, i + offset - options.window_left)
+    hi = jnp.where(i < q_len, hi, -1)  # a padding row sees nothing
+    return jnp.broadcast_to(lo, hi.shape), hi
+
+
+def _any_same_id(ids_rows, ids_cols, lo, hi) -> jax.Array:
+    """`bool[B, rows]`: whether some column `j` in `[lo, hi]` has `ids_cols[j] == ids_rows[row]`.
+
+    The columns sorted by (id, position) once; per row, the block of its id by two binary
+    searches, then the last position <= hi in that block by a fixed number of halving steps
+    (O((rows + cols) log cols), no dense rows x cols pass)."""
+    cols = ids_cols.shape[1]
+    steps = max(1, int(cols).bit_length())
+
+    def one(a, c, lo, hi):
+        position = jnp.arange(cols, dtype=jnp.int32)
+        ids, pos = jax.lax.sort((c, position), num_keys=2)
+        start = jnp.searchsorted(ids, a, side="left").astype(jnp.int32)
+        stop = jnp.searchsorted(ids, a, side="right").astype(jnp.int32)
+        # the first index in [start, stop) whose position exceeds hi (stop when none)
+        left, right = start, stop
+        for _ in range(steps):
+            mid = (left + right) // 2
+            go_right = (mid < right) & (pos[jnp.clip(mid, 0, cols - 1)] <= hi)
+            left = jnp.where(go_right, mid + 1, left)
+            right = jnp.where(go_right, right, mid)
+        found = left - 1  # the last same-id column at or before hi
+        ok = (found >= start) & (lo <= hi)
+        return ok & (pos[jnp.clip(found, 0, cols - 1)] >= lo)
+
+    return jax.vmap(one)(ids_rows.astype(jnp.int32), ids_cols.astype(jnp.int32), lo, hi)
+
+
+def _segment_row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array]:
+    """`row_usage` for segment ids without a boolean mask, in O(S log S)."""
+    q_seq, kv_seq = arrays.q.shape[1], arrays.k.shape[1]
+    q_len = jnp.clip(arrays.q_seqlens, 0, q_seq).astype(jnp.int32)
+    kv_len = jnp.clip(arrays.kv_seqlens, 0, kv_seq).astype(jnp.int32)
+    lo, hi = _band(arrays, options, q_seq, kv_seq, q_len, kv_len, False)
+    rows = _any_same_id(arrays.q_segment_ids, arrays.kv_segment_ids, lo, hi)
+    lo, hi = _band(arrays, options, kv_seq, q_seq, kv_len, q_len, True)
+    cols = _any_same_id(arrays.kv_segment_ids, arrays.q_segment_ids, lo, hi)
+    return rows[:, :, None], cols[:, :, None]
+
+
 def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array]:
     """Which q rows (`bool[B, Sq, Hq or 1]`) and k/v rows (`bool[B, Skv, Hkv or 1]`) take part
     in at least one visible pair; computed one block of keys at a time, so memory stays linear in
-    the sequence length."""
+    the sequence length (segment ids without a mask: by binary searches, `_any_same_id`)."""
     bsz, q_seq, q_heads, _ = arrays.q.shape
     kv_seq, kv_heads = arrays.k.shape[1:3]
     group = q_heads // kv_heads
@@ -82,6 +155,8 @@ def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array
     if 0 in (bsz, q_seq, kv_seq):  # no pair at all: no row is used (and no block to scan)
         kv_cols = kv_heads if heads == q_heads else 1
         return jnp.zeros((bsz, q_seq, heads), bool), jnp.zeros((bsz, kv_seq, kv_cols), bool)
+    if mask is None and kv_seg is not None:
+        return _segment_row_usage(arrays, options)
     block = max(1, min(_USAGE_BLOCK, kv_seq))
     n_blocks = -(-kv_seq // block)
     pad = n_blocks * block - kv_seq
