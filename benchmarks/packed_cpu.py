@@ -7,7 +7,9 @@ T and number of documents (equal lengths T / docs), heads 8 x dim 64, causal and
 forward and forward+backward times (best of `--repeats` after a warm-up) and packed / batched.
 `probs` (with `return_probs=True`: P is written, [1, 8, T, T] packed) runs where its P fits,
 T <= `--probs-max-length`. The packed call's kernels skip the (query tile, key tile) pairs whose
-segments differ; `probs` still writes the zeros of P there, which batched does not have."""
+segments differ; `probs` still writes the zeros of P there, which batched does not have. The
+`varlen / batched` columns time `attnaux.varlen_attention` on the same documents (`[T, h, d]`
+with cu_seqlens; on CPU it gathers them per sequence and runs the batched kernels)."""
 
 import argparse
 import time
@@ -38,9 +40,10 @@ def main() -> None:
     args = parser.parse_args()
     h, d = 8, 64
     print(f"attnaux {ax.__version__}, JAX {jax.__version__}, float32, heads {h} x dim {d}\n")
-    print("| backend | T | docs | causal | packed fwd ms | batched fwd ms | ratio "
-          "| packed fwd+bwd ms | batched fwd+bwd ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| backend | T | docs | causal | packed fwd ms | batched fwd ms | packed / batched "
+          "| varlen / batched | packed fwd+bwd ms | batched fwd+bwd ms | packed / batched "
+          "| varlen / batched |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for total in args.lengths:
         keys = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(key, (1, total, h, d)) for key in keys)
@@ -60,18 +63,29 @@ def main() -> None:
                         return ax.attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
                                             causal=causal, **options)
 
+                    cu = jnp.arange(docs + 1, dtype=jnp.int32) * (total // docs)
+
+                    def varlen(q, k, v, cu=cu, causal=causal, longest=total // docs,
+                               options=options):
+                        out, aux = ax.varlen_attention(
+                            q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                            max_seqlen_q=longest, max_seqlen_kv=longest, causal=causal,
+                            **options)
+                        return out, aux
+
                     row = []
-                    for fn in (packed, batched):
+                    for fn in (packed, batched, varlen):
                         # The forward returns P too (probs), so that it is computed and written.
                         fwd = jax.jit(lambda q, k, v, fn=fn: (fn(q, k, v)[0], fn(q, k, v)[1].probs))
                         grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)[0])
                                                 + jnp.sum(fn(q, k, v)[1].lse), argnums=(0, 1, 2)))
                         row.append((best(fwd, q, k, v, repeats=args.repeats),
                                     best(grad, q, k, v, repeats=args.repeats)))
-                    (pf, pb), (bf, bb) = row
+                    (pf, pb), (bf, bb), (vf, vb) = row
                     print(f"| {backend} | {total} | {docs} | {'yes' if causal else 'no'} | "
-                          f"{pf * 1e3:.1f} | {bf * 1e3:.1f} | {pf / bf:.2f} | {pb * 1e3:.1f} | "
-                          f"{bb * 1e3:.1f} | {pb / bb:.2f} |", flush=True)
+                          f"{pf * 1e3:.1f} | {bf * 1e3:.1f} | {pf / bf:.2f} | {vf / bf:.2f} | "
+                          f"{pb * 1e3:.1f} | {bb * 1e3:.1f} | {pb / bb:.2f} | {vb / bb:.2f} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

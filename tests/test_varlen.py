@@ -229,7 +229,7 @@ def test_explain_says_how_packed_input_is_served():
                    max_seqlen_q=70, max_seqlen_kv=66, causal=True, backend="flash")
     assert e.backend == "flash"
     expected = "ragged" if GPU else "padded"
-    assert expected in e.reasons["packed"]
+    assert expected in e.packed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ def test_gpu_ragged_parity(options, heads):
     cu_q, cu_kv = _cu(GPU_Q_LENS), _cu(GPU_KV_LENS)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
                 backend="flash", **options)
-    assert "ragged" in ax.explain(q, k, v, **args).reasons["packed"]
+    assert "ragged" in ax.explain(q, k, v, **args).packed
     fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
     out, aux = fn(q, k, v)
     clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))

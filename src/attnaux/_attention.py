@@ -179,7 +179,7 @@ def explain(q, k, v, **options) -> Explanation:
     """Says which backend `attention(q, k, v, **options)` would run, and why.
 
     Takes exactly the arguments of [`attnaux.attention`][] (arrays or `jax.ShapeDtypeStruct`s),
-    or those of [`attnaux.varlen_attention`][] (then `reasons["packed"]` says whether the
+    or those of [`attnaux.varlen_attention`][] (then `packed` says whether the
     sequences are read in place or padded per sequence); validates them the same way, runs
     nothing.
 

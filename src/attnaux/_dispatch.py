@@ -102,6 +102,8 @@ class Explanation:
     - `reasons`: for every backend, why it was chosen or why not.
     - `dropout_impl`: the generator that draws a dropout keep-mask there (`"attnaux"`:
       attnaux's documented Philox; `"cudnn"`: cuDNN's own), as `AttnAux.dropout_impl` records.
+    - `packed`: for packed sequences (segment ids, or `varlen_attention`), how they reach the
+      kernels; `""` otherwise.
     """
 
     backend: str
@@ -109,12 +111,15 @@ class Explanation:
     platform: str
     reasons: dict[str, str]
     dropout_impl: str = "attnaux"
+    packed: str = ""
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend} ({self.implementation}) on {self.platform}"]
         for name, why in self.reasons.items():
             mark = "*" if name == self.backend else "-"
             lines.append(f"  {mark} {name}: {why}")
+        if self.packed:
+            lines.append(f"  packed sequences: {self.packed}")
         return "\n".join(lines)
 
 
@@ -232,9 +237,19 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
         why_not = {"flash": flash_no, "probs": probs_no, "small_seq": small_no}.get(chosen)
         if why_not is not None:
             raise ValueError(f"backend={chosen!r} cannot serve this call: {why_not}.")
+    packed = ""
+    if problem.arrays.q_segment_ids is not None:
+        packed = (
+            "segment ids: the CPU kernels skip every tile whose keys lie in other segments"
+            if platform == "cpu" else
+            "segment ids reach the GPU kernels as a dense [B, 1, q_seq, kv_seq] mask; "
+            "attnaux.varlen_attention reads packed documents in place (cuDNN's ragged layout)"
+        )
     impl = implementation(chosen, platform)
     dropout_impl = impl.dropout_impl if problem.has_dropout else "attnaux"
-    return Choice(Explanation(chosen, impl.description, platform, reasons, dropout_impl), impl)
+    return Choice(
+        Explanation(chosen, impl.description, platform, reasons, dropout_impl, packed), impl
+    )
 
 
 # ------------------------------------------------------------------------------------------------

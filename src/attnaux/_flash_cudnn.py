@@ -83,6 +83,11 @@ _NOT_BUILT = "the CUDA toolkit, cuDNN or cudnn-frontend headers were not found a
 _EXTRA_COLUMNS = 8  # columns appended to O/dO/V for the lse cotangent (cuDNN wants multiples of 8)
 _WORKSPACE_MODES = ("scratch", "output")
 
+FOLD_LSE_COTANGENT = True
+"""Whether a bfloat16 backward with both cotangents folds `dlse` into O (`fold_lse_cotangent`);
+False takes the extra-column path always (benchmarks/gpu_zloss.py compares the two). Read when a
+call is traced (it keys the call's `Config`)."""
+
 _SOFTCAP_BIAS_WHY = (
     "the cuDNN path does not serve softcap together with a bias: cuDNN 9.19's fused backward "
     "takes the bias gradient after the softcap derivative (dbias measured wrong on an H200), "
@@ -116,6 +121,7 @@ class Config(NamedTuple):
     ragged: bool = False  # packed sequences (cuDNN's THD layout through ragged offsets)
     max_seqlen_q: int = 0  # ragged: the padded lengths cuDNN's graph is built for
     max_seqlen_kv: int = 0
+    fold_lse: bool = True  # backward: `FOLD_LSE_COTANGENT` when the call was traced
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -240,6 +246,7 @@ def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
         dropout_rate=float(options.dropout_rate),
         masked=bool(masked),
         bias_grad=bool(bias) or not masked,
+        fold_lse=bool(FOLD_LSE_COTANGENT),
     )
 
 
@@ -341,6 +348,47 @@ def _visible_rows(cfg: Config, q_len, kv_len, q_seq: int) -> jax.Array:
     return (i < ql) & (lo <= hi)
 
 
+_FOLD_MIN_NORM2 = 1e-30  # rows of dO with a smaller squared norm are replaced (`_FOLD_EPS`)
+_FOLD_EPS = 2.0**-60  # dO of such a row: EPS in column 0 (its dP = EPS * V[:, 0]: negligible)
+
+
+def _folds(cfg: Config, dtype) -> bool:
+    # bfloat16 has float32's exponent range, which EPS and dlse / EPS need; float16 does not, and
+    # takes the extra-column path.
+    return cfg.fold_lse and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+
+
+def fold_lse_cotangent(out: jax.Array, dout: jax.Array, dlse: jax.Array):
+    """`(out', dout')`: the lse cotangent folded into the O (and dO) cuDNN's backward reads.
+
+    cuDNN forms the row term `D = rowsum(dO * O)` from the O it is given, and O enters its
+    backward nowhere else. `O' = O - (dlse / |dO|^2) dO` has `rowsum(dO * O') = D - dlse`, so
+    one plain backward call gives `dS = P * (dP - (D - dlse))`: the gradient through `aux.lse`
+    at the cost of one elementwise pass, with no extra columns (which cost copies of O, dO and V
+    and cuDNN's slower `v_dim + 8` kernels). O' is rounded to the input dtype: the row term then
+    carries that dtype's relative rounding error on `sum |dO * O| + |dlse|`, as a bf16
+    backward's other terms do. Rows with `dlse = 0` keep O exactly.
+
+    A row whose dO is 0 (its output not in the loss) cannot carry `dlse` through O: its dO
+    becomes `EPS * e_0` and its `O'[0] = (D - dlse) / EPS`, which adds `EPS * V[:, 0]` (2**-60
+    relative) to its dP and to dV. bfloat16 only (`_folds`). `dlse` is `[..., Sq, Hq]` like
+    `out`'s rows."""
+    d32, o32 = dout.astype(jnp.float32), out.astype(jnp.float32)
+    norm2 = jnp.sum(d32 * d32, axis=-1)
+    carried = dlse != 0
+    stuck = carried & (norm2 <= _FOLD_MIN_NORM2)
+    gamma = jnp.where(carried & ~stuck, dlse / jnp.where(stuck, 1.0, norm2), 0.0)
+    folded = o32 - gamma[..., None] * d32
+    first = jnp.arange(out.shape[-1]) == 0
+    row_term = jnp.sum(d32 * o32, axis=-1)
+    replaced = jnp.where(first, ((row_term - dlse) / _FOLD_EPS)[..., None], o32)
+    folded = jnp.where(stuck[..., None], replaced, folded)
+    out_f = jnp.where(carried[..., None], folded.astype(out.dtype), out)
+    dout_f = jnp.where(stuck[..., None] & first, jnp.asarray(_FOLD_EPS, dout.dtype),
+                       jnp.where(stuck[..., None], jnp.zeros((), dout.dtype), dout))
+    return out_f, dout_f
+
+
 def _split3(x: jax.Array, dtype) -> jax.Array:
     """float32 `x` as three `dtype` parts whose float32 sum is `x` to ~24 bits: [..., 3]."""
     hi = x.astype(dtype)
@@ -405,11 +453,8 @@ def _core_bwd(cfg: Config, residuals, cotangents):
                         offsets=absent(jnp.int32), out=out, dout=dout, stats=stats)
         return r["dq"], r["dk"], r["dv"], r["dbias"]
 
-    extra = _EXTRA_COLUMNS
-    common = (q_len, kv_len, rng)
-    if no_lse:
-        dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
-    else:
+    def with_columns():
+        # The lse cotangent through extra columns of O, dO and V (exact; Dv + 8 columns).
         parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3], sum = -dlse
         pad_q = jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)
         if v_dim + extra <= MAX_HEAD_DIM:
@@ -418,20 +463,30 @@ def _core_bwd(cfg: Config, residuals, cotangents):
             dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
             v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
             dq, dk, dv, dbias = call(q, k, v_x, bias, *common, out_x, dout_x, stats)
-            dv = dv[..., :v_dim]
-        else:
-            # No room for columns: a second backward with O = -dlse (parts), dO = 1, V = 0 has
-            # dP = 0 and D = -dlse, so dS = P * dlse exactly, with or without dropout (its dV is
-            # discarded).
-            dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
-            o_1 = jnp.concatenate([parts, pad_q], axis=-1)
-            do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
-            v_1 = jnp.zeros((bsz, kv_seq, k.shape[2], extra), q.dtype)
-            dq1, dk1, _, dbias1 = call(q, k, v_1, bias, *common, o_1, do_1, stats)
-            dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
-            dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
-            if present(dbias):
-                dbias = (dbias.astype(jnp.float32) + dbias1.astype(jnp.float32)).astype(bias.dtype)
+            return dq, dk, dv[..., :v_dim], dbias
+        # No room for columns: a second backward with O = -dlse (parts), dO = 1, V = 0 has
+        # dP = 0 and D = -dlse, so dS = P * dlse exactly, with or without dropout (its dV is
+        # discarded).
+        dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
+        o_1 = jnp.concatenate([parts, pad_q], axis=-1)
+        do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
+        v_1 = jnp.zeros((bsz, kv_seq, k.shape[2], extra), q.dtype)
+        dq1, dk1, _, dbias1 = call(q, k, v_1, bias, *common, o_1, do_1, stats)
+        dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
+        dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
+        if present(dbias):
+            dbias = (dbias.astype(jnp.float32) + dbias1.astype(jnp.float32)).astype(bias.dtype)
+        return dq, dk, dv, dbias
+
+    extra = _EXTRA_COLUMNS
+    common = (q_len, kv_len, rng)
+    if no_lse:
+        dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
+    elif no_out or not _folds(cfg, out.dtype):
+        dq, dk, dv, dbias = with_columns()
+    else:
+        folded, dout_f = fold_lse_cotangent(out, dout, dlse.transpose(0, 2, 1))
+        dq, dk, dv, dbias = call(q, k, v, bias, *common, folded, dout_f, stats)
     if cfg.padding:
         q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
         kv_rows = (jnp.arange(kv_seq)[None, :] < kv_len[:, None])[:, :, None, None]
@@ -771,30 +826,37 @@ def _ragged_bwd(cfg: Config, residuals, cotangents):
 
     if dlse is None:
         return (*call(v, out, dout), *nones)
-    # The lse cotangent through extra columns, as `_core_bwd` does, per token: `-dlse` of the
-    # token's row of its sequence.
+    no_out = cotangents[0] is None
+    # The lse cotangent as `_core_bwd` carries it, per token: `dlse` of the token's row of its
+    # sequence (0 for padding tokens and rows that see no key).
     seq, pos, _ = token_rows(q_offsets, q_len, q.shape[1])
     pos = jnp.clip(pos, 0, cfg.max_seqlen_q - 1)
     dlse = jnp.where(stats < jnp.inf, dlse.astype(jnp.float32), 0.0)
-    per_token = dlse[seq, :, pos]  # [T, Hq]
-    per_token = jnp.where(q_keep[:, None], per_token, 0.0)
-    parts = _split3(-per_token, q.dtype)[None]  # [1, T, Hq, 3]
+    per_token = jnp.where(q_keep[:, None], dlse[seq, :, pos], 0.0)[None]  # [1, T, Hq]
     dout = jnp.where(q_keep[None, :, None, None], dout, 0)
-    extra, v_dim = _EXTRA_COLUMNS, v.shape[-1]
-    pad_q = jnp.zeros((*q.shape[:3], extra - 3), q.dtype)
-    if v_dim + extra <= MAX_HEAD_DIM:
-        out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
-        dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
-        v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
-        dq, dk, dv = call(v_x, out_x, dout_x)
-        return (dq, dk, dv[..., :v_dim], *nones)
-    dq, dk, dv = call(v, out, dout)
-    o_1 = jnp.concatenate([parts, pad_q], axis=-1)
-    do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
-    dq1, dk1, _ = call(jnp.zeros((*k.shape[:3], extra), q.dtype), o_1, do_1)
-    dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
-    dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
-    return (dq, dk, dv, *nones)
+
+    def with_columns():
+        parts = _split3(-per_token, q.dtype)  # [1, T, Hq, 3]
+        extra, v_dim = _EXTRA_COLUMNS, v.shape[-1]
+        pad_q = jnp.zeros((*q.shape[:3], extra - 3), q.dtype)
+        if v_dim + extra <= MAX_HEAD_DIM:
+            out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
+            dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
+            v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
+            dq, dk, dv = call(v_x, out_x, dout_x)
+            return dq, dk, dv[..., :v_dim]
+        dq, dk, dv = call(v, out, dout)
+        o_1 = jnp.concatenate([parts, pad_q], axis=-1)
+        do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
+        dq1, dk1, _ = call(jnp.zeros((*k.shape[:3], extra), q.dtype), o_1, do_1)
+        dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
+        dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
+        return dq, dk, dv
+
+    if no_out or not _folds(cfg, out.dtype):
+        return (*with_columns(), *nones)
+    folded, dout_f = fold_lse_cotangent(out, dout, per_token)
+    return (*call(v, folded, dout_f), *nones)
 
 
 _ragged_core = compiled_vjp(_ragged_fwd, _ragged_bwd)

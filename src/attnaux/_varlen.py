@@ -18,6 +18,7 @@ non-decreasing (a decrease gives empty sequences) and each length cut to `max_se
 kernel reads outside the arrays.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -123,7 +124,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
           return_probs, backend):
     """`(problem, choice, ragged, explanation, (q packing, kv packing))`: the padded problem, the
     dispatch's choice for it, whether cuDNN's packed layout serves the call, and the
-    explanation with the way packed input is served (`reasons["packed"]`)."""
+    explanation with the way packed input is served (`packed`)."""
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
     problem = canonicalize(
@@ -143,12 +144,8 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     else:
         how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
                f"the padding; the copies are O(tokens)): {ragged_no}")
-    explanation = choice.explanation
-    reasons = dict(explanation.reasons, packed=how)
-    return problem, choice, ragged_no is None, Explanation(
-        explanation.backend, explanation.implementation, explanation.platform, reasons,
-        explanation.dropout_impl,
-    ), (pq, pk)
+    explanation = dataclasses.replace(choice.explanation, packed=how)
+    return problem, choice, ragged_no is None, explanation, (pq, pk)
 
 
 @functools.partial(jax.jit, static_argnames=("statics", "max_seqlen_q", "max_seqlen_kv",
