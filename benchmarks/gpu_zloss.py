@@ -44,11 +44,17 @@ def _loss(kind):
     return loss
 
 
-def _grad(kind, fold):
+def _grad(kind, fold, args):
+    """The compiled step, traced afresh with `FOLD_LSE_COTANGENT = fold` (attnaux's inner jit
+    would otherwise reuse the first variant's trace)."""
     def step(q, k, v, w):
-        _flash_cudnn.FOLD_LSE_COTANGENT = fold  # read while tracing
         return jax.grad(_loss(kind), argnums=(0, 1, 2))(q, k, v, w)
-    return jax.jit(step)
+    _flash_cudnn.FOLD_LSE_COTANGENT = fold
+    jax.clear_caches()
+    try:
+        return jax.jit(step).lower(*args).compile()
+    finally:
+        _flash_cudnn.FOLD_LSE_COTANGENT = True
 
 
 def main():
@@ -61,15 +67,14 @@ def main():
         q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (b, s, h, d), jnp.bfloat16)
                       for i in range(4))
         w = w.astype(jnp.float32)
-        fns = {"plain": _grad("plain", True), "z-loss": _grad("z-loss", True),
-               "z-loss (columns)": _grad("z-loss", False), "lse only": _grad("lse only", True),
-               "jax.nn cudnn": _grad("jax.nn cudnn", True)}
-        for fn in fns.values():  # trace each with its own setting before timing
-            jax.block_until_ready(fn(q, k, v, w))
-        t = timed(fns, (q, k, v, w))
+        args = (q, k, v, w)
+        fns = {"plain": _grad("plain", True, args), "z-loss": _grad("z-loss", True, args),
+               "z-loss (columns)": _grad("z-loss", False, args),
+               "lse only": _grad("lse only", True, args),
+               "jax.nn cudnn": _grad("jax.nn cudnn", True, args)}
+        t = timed(fns, args)
         cells = [f"{t[n] * 1e3:.3f} ({t[n] / t['plain']:.2f}x)" for n in names]
         print(f"| {b}x{s}x{h}x{d} | " + " | ".join(cells) + f" | {t['z-loss'] / t['plain']:.2f}x |")
-    _flash_cudnn.FOLD_LSE_COTANGENT = True
     print("(ms, median of rounds; in parentheses: the ratio to plain)")
 
 

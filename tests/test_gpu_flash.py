@@ -33,7 +33,7 @@ from conftest import (
 )
 
 import attnaux
-from attnaux import _ffi
+from attnaux import _ffi, _flash_cudnn
 from attnaux import introspect as ai
 from attnaux._internal import dropout_keep_mask
 
@@ -204,6 +204,24 @@ def test_lse_only_gradient():
 
     got = jax.jit(jax.grad(lambda *a: zloss(*a, "flash"), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(lambda *a: zloss(*a, "reference"), argnums=(0, 1, 2)))(q, k, v)
+    for g, r, n in zip(got, want, "qkv", strict=True):
+        assert_close(g, r, tol(jnp.bfloat16, "grad"), f"d{n}")
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_lse_cotangent_with_rows_outside_the_loss(fold, monkeypatch):
+    """A z-loss on every row, the output loss on some rows only: rows whose dO is 0 still carry
+    their lse cotangent (folded into O, or through extra columns), exact against reference."""
+    monkeypatch.setattr(_flash_cudnn, "FOLD_LSE_COTANGENT", fold)
+    q, k, v = make_inputs(13, 2, 128, 128, 4, 2, 64, 64, jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (2, 128, 4, 64)).at[:, ::3].set(0.0)
+
+    def loss(q, k, v, backend):
+        out, aux = attnaux.attention(q, k, v, causal=True, backend=backend)
+        return jnp.sum(out.astype(jnp.float32) * w) + 0.1 * jnp.mean(aux.lse**2)
+
+    got = jax.jit(jax.grad(lambda *a: loss(*a, "flash"), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(lambda *a: loss(*a, "reference"), argnums=(0, 1, 2)))(q, k, v)
     for g, r, n in zip(got, want, "qkv", strict=True):
         assert_close(g, r, tol(jnp.bfloat16, "grad"), f"d{n}")
 
