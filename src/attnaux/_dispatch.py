@@ -73,18 +73,18 @@ def _auto_probs_max_kv_seq(platform: str) -> int:
     return AUTO_PROBS_MAX_KV_SEQ if platform == "cpu" else 0
 
 
-GPU_AUTO_SMALL_SEQ = False
+GPU_AUTO_SMALL_SEQ = True
 """Whether `backend="auto"` picks `small_seq` on GPU when the shapes fit (it always does on CPU).
 
-Measured on an H200 (`python benchmarks/gpu_kernels.py`, batch 30720, 8 heads, head dim 128,
-kv_seq 16, bf16): the CUDA kernel's forward takes 0.628 ms (83% of the device copy bandwidth)
-against 0.545 ms for the reference path, whose fused XLA reductions stream K and V at 96% of
-copy; forward+backward it is 1.14x faster (1.83 vs 2.08 ms) and 6x faster than cuDNN. `auto`
-cannot tell inference from training, so it leaves `small_seq` to explicit requests on GPU."""
+Measured on an H100 (`python benchmarks/gpu_kernels.py small_seq`, batch 30720, 8 heads, head
+dim 128, kv_seq 16, bf16, one run, 2026-11-24): `small_seq` forward 0.746 ms (98% of the device
+copy bandwidth), forward+backward 2.271 ms; `reference` 0.776 / 2.366 ms; cuDNN `flash` 2.592 /
+10.808 ms. `small_seq` is the fastest path both ways there (on an H200 its forward had measured
+0.87x the reference path's, within 1.15x), and cuDNN, which `auto` picked before, 3.5x / 4.8x
+slower."""
 GPU_SMALL_SEQ_MEASURED = (
-    "on GPU its forward measures slower than the reference path (0.87x on an H200 at batch "
-    "30720, 8 heads, head dim 128, kv_seq 16, bf16), though forward+backward is 1.14x faster: "
-    "ask for backend='small_seq' when training"
+    "fastest on GPU at these shapes (H100, batch 30720, 8 heads, head dim 128, kv_seq 16, bf16: "
+    "forward 1.04x the reference path and 3.5x cuDNN, forward+backward 1.04x and 4.8x)"
 )
 """Why, in `explain`'s words: the measured comparison on GPU (`benchmarks/gpu_kernels.py`)."""
 
