@@ -119,3 +119,32 @@ def test_packed_probs_matches_reference(kind, causal):
         assert np.all(np.isneginf(np.asarray(aux.lse)[0, :, 130:140]))
         assert np.all(np.asarray(out)[0, 130:140] == 0)
         assert np.all(probs[0, :, 130:140] == 0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_segment_row_usage_matches_visibility(seed):
+    """The binary-search row usage (long packed rows) equals the dense visibility pattern's, over
+    causal / bottom-right / window rules, lengths, and sorted or unsorted ids."""
+    from attnaux import _masking
+    from attnaux._internal import canonical_problem
+
+    rng = np.random.default_rng(seed)
+    q_seq, kv_seq = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    causal = [False, True, "bottom_right"][seed % 3]
+    window = [None, (3, None), (0, None), (None, 2)][seed % 4]
+    if causal and window is not None and window[1] is not None:
+        window = None
+    q = jnp.zeros((2, q_seq, 2, 8))
+    k = jnp.zeros((2, kv_seq, 1, 8))
+    q_ids = rng.integers(0, 3, (2, q_seq)).astype(np.int32)
+    kv_ids = rng.integers(0, 3, (2, kv_seq)).astype(np.int32)
+    if seed % 2:
+        q_ids, kv_ids = np.sort(q_ids, 1), np.sort(kv_ids, 1)
+    problem = canonical_problem(
+        q, k, k, causal=causal, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        q_seqlens=rng.integers(0, q_seq + 1, 2).astype(np.int32),
+        kv_seqlens=rng.integers(0, kv_seq + 1, 2).astype(np.int32))
+    rows, cols = _masking._segment_row_usage(problem.arrays, problem.options)
+    visible = _masking.visibility(problem.arrays, problem.options)  # [B, 1, Sq, Skv]
+    np.testing.assert_array_equal(rows[..., 0], visible.any(axis=3)[:, 0])
+    np.testing.assert_array_equal(cols[..., 0], visible.any(axis=2)[:, 0])

@@ -70,7 +70,8 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["flash", "probs", "reference"])
+@pytest.mark.parametrize("backend", ["flash", "probs", pytest.param("reference",
+                                                                   marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 def test_parity_cpu(backend, options):
     q, k, v = _arrays(Q_LENS, KV_LENS)

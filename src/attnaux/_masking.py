@@ -68,6 +68,10 @@ def diagonal_shift(arrays: Canonical) -> jax.Array | int:
 
 
 _USAGE_BLOCK = 512  # key columns per step when finding the rows no visible pair uses
+# From this many (query, key) pairs on, segment ids without a mask take the binary searches of
+# `_segment_row_usage` (O(S log S)) instead of the block scan (O(S^2), but a smaller program to
+# compile): at T = 16384 packed the scan cost 10-15 ms more than the searches on 2 CPU cores.
+_SEGMENT_SEARCH_MIN_PAIRS = 2048 * 2048
 
 
 def _band(arrays: Canonical, options: Options, rows: int, cols: int, lengths_rows, lengths_cols,
@@ -146,7 +150,8 @@ def _segment_row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, 
 def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array]:
     """Which q rows (`bool[B, Sq, Hq or 1]`) and k/v rows (`bool[B, Skv, Hkv or 1]`) take part
     in at least one visible pair; computed one block of keys at a time, so memory stays linear in
-    the sequence length (segment ids without a mask: by binary searches, `_any_same_id`)."""
+    the sequence length (long rows with segment ids and no mask: by binary searches,
+    `_segment_row_usage`)."""
     bsz, q_seq, q_heads, _ = arrays.q.shape
     kv_seq, kv_heads = arrays.k.shape[1:3]
     group = q_heads // kv_heads
@@ -155,7 +160,7 @@ def row_usage(arrays: Canonical, options: Options) -> tuple[jax.Array, jax.Array
     if 0 in (bsz, q_seq, kv_seq):  # no pair at all: no row is used (and no block to scan)
         kv_cols = kv_heads if heads == q_heads else 1
         return jnp.zeros((bsz, q_seq, heads), bool), jnp.zeros((bsz, kv_seq, kv_cols), bool)
-    if mask is None and kv_seg is not None:
+    if mask is None and kv_seg is not None and q_seq * kv_seq >= _SEGMENT_SEARCH_MIN_PAIRS:
         return _segment_row_usage(arrays, options)
     block = max(1, min(_USAGE_BLOCK, kv_seq))
     n_blocks = -(-kv_seq // block)
