@@ -289,3 +289,17 @@ def test_gpu_ragged_matches_batched_flash():
                                np.asarray(want.reshape(out.shape), np.float32), atol=1e-2)
     np.testing.assert_allclose(aux.lse, want_aux.lse.transpose(1, 0, 2).reshape(8, -1),
                                atol=1e-3)
+
+
+def test_no_keys_or_no_sequences():
+    q, k, v = _arrays((3, 2), (0, 0), extra=(1, 0))
+    sink = jnp.asarray([0.5, 1.0, -1.0, 2.0])
+    out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=_cu((3, 2)), cu_seqlens_kv=_cu((0, 0)),
+                                   max_seqlen_q=3, max_seqlen_kv=1, sink=sink)
+    assert not np.asarray(out).any()
+    np.testing.assert_array_equal(aux.lse[:, :5], np.repeat(np.asarray(sink)[:, None], 5, 1))
+    assert np.isneginf(np.asarray(aux.lse[:, 5:])).all()
+    out, aux = ax.varlen_attention(q, q, q, cu_seqlens_q=np.zeros(1, np.int32),
+                                   cu_seqlens_kv=np.zeros(1, np.int32), max_seqlen_q=1,
+                                   max_seqlen_kv=1)
+    assert not np.asarray(out).any() and np.isneginf(np.asarray(aux.lse)).all()

@@ -738,7 +738,7 @@ _RAGGED_BACKWARD = (*_RAGGED_FORWARD, "kv_keep", "out", "dout", "stats")
 @functools.cache
 def _ragged_ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
     attrs = _attrs(cfg)
-    none_f32, none_u32 = (0,), (0,)
+    none_f32 = (0,)  # the absent keep-mask and dbias results
 
     def forward_shapes(ops):
         q, v, n = ops["q"], ops["v"], ops["q_len"].shape[0]
@@ -771,7 +771,6 @@ def _ragged_ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
                                 absent(jnp.uint32), offsets, out, dout, stats, **attrs)
         return _zero_rows(dq, q_keep), _zero_rows(dk, kv_keep), _zero_rows(dv, kv_keep)
 
-    del none_u32
     ops = tuple(
         KernelOp(target, tuple((name, SHARED) for name in names), results, shapes, {},
                  layout=_ragged_layout, kernel=kernel, sequential=True)

@@ -56,6 +56,8 @@ def _packing(cu_seqlens: jax.Array, total: int, max_seqlen: int) -> Packing:
 
 def _padded(x: jax.Array, side: Packing, max_seqlen: int) -> jax.Array:
     """`[n, max_seqlen, heads, dim]`: sequence i's tokens, then rows the kernels never read."""
+    if x.shape[0] == 0:  # no tokens: every sequence is empty
+        return jnp.zeros((side.lengths.shape[0], max_seqlen, *x.shape[1:]), x.dtype)
     rows = side.offsets[:-1, None] + jnp.arange(max_seqlen, dtype=jnp.int32)[None, :]
     return x[jnp.clip(rows, 0, x.shape[0] - 1)]
 
@@ -159,9 +161,11 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
     arrays, options = problem.arrays, problem.options
     n = cu_q.shape[0] - 1
     probs = None
-    if n == 0 or q.shape[0] == 0:
+    if n == 0 or q.shape[0] == 0 or k.shape[0] == 0:  # no query sees a key
         out = jnp.zeros((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
         lse = row_max = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
+        if sink is not None:  # covered rows: lse = sink (a row with no visible key)
+            lse = jnp.where(pq.covered[None, :], sink.astype(jnp.float32)[:, None], lse)
         if return_probs:
             probs = jnp.zeros((n, q.shape[1], max_seqlen_q, max_seqlen_kv), q.dtype)
     else:
