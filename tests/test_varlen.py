@@ -94,7 +94,7 @@ def _loss_fn(fn, with_lse=True):
     return loss
 
 
-@pytest.mark.parametrize("backend", ["flash", "probs"])
+@pytest.mark.parametrize("backend", ["flash", pytest.param("probs", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(2, 5)), dict()], ids=str)
 def test_gradients_cpu(backend, options):
     q, k, v = _arrays(Q_LENS, KV_LENS, heads=(4, 1))

@@ -18,3 +18,7 @@ if len(jax.devices()) < 8:
     )
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: kept out of the default run (tests/test_spmd.py)")

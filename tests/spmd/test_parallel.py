@@ -134,8 +134,19 @@ OPTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", OPTION_CASES)
-@pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
+# Ring cases that another ring case covers (window, lengths and bottom-right each appear in a
+# combined case): in the slow sweep only (`tests/test_spmd.py::test_spmd_slow_sweep...`).
+_COVERED_RING_CASES = ("window", "seqlens", "bottom_right")
+_OPTION_PARAMS = [
+    pytest.param(case, strategy, layout, id=f"{strategy}-{layout}-{case}",
+                 marks=[pytest.mark.slow] if strategy == "ring" and case in _COVERED_RING_CASES
+                 else [])
+    for strategy, layout in (("ring", "zigzag"), ("allgather", "contiguous"))
+    for case in OPTION_CASES
+]
+
+
+@pytest.mark.parametrize(("case", "strategy", "layout"), _OPTION_PARAMS)
 def test_options_at_global_positions(case, strategy, layout):
     rng = np.random.default_rng(1)
     spec = OPTION_CASES[case](rng)
@@ -248,7 +259,7 @@ def test_zigzag_round_trip_and_balance():
         par.zigzag(jnp.zeros((2, 12)), 4, axis=1)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.slow), "zigzag"])
 def test_decoder_with_context_parallelism(layout):
     """`attnaux.nn.Decoder` with `context=...` inside `shard_map` over the sequence: the loss
     and every parameter gradient equal the decoder's on the whole sequence (one device)."""
