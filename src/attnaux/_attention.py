@@ -6,8 +6,9 @@ from beartype import BeartypeConf, beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, TypeCheckError, jaxtyped
 
 from ._aux import AttnAux
-from ._canon import canonicalize, check_key, parse_statics
-from ._dispatch import Explanation, check_backend, choose
+from ._canon import canonicalize, check_key
+from ._dispatch import Explanation, call_statics, choose
+from ._varlen import explain_varlen
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
 _Arr = Array | np.ndarray
@@ -22,22 +23,6 @@ _Bias = (Float[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Float[_Arr, "#q_seq #k
 _Mask = (Bool[_Arr, "*#batch #q_heads #q_seq #kv_seq"] | Bool[_Arr, "#q_seq #kv_seq"]
          | Bool[_Arr, "#kv_seq"] | Bool[_Arr, ""])
 _WindowSide = int | np.integer | None
-
-def _check_return_probs(return_probs: object) -> bool:
-    if not isinstance(return_probs, (bool, np.bool_)):
-        raise TypeError(f"`return_probs` must be a bool; got {return_probs!r}.")
-    return bool(return_probs)
-
-
-def _statics(scale, causal, window, softcap, dropout_rate, return_probs, backend) -> dict:
-    """Parses the static options once, before they key the jit cache (they must be hashable)."""
-    return dict(
-        statics=parse_statics(scale=scale, causal=causal, window=window, softcap=softcap,
-                              dropout_rate=dropout_rate),
-        return_probs=_check_return_probs(return_probs),
-        backend=check_backend(backend),
-    )
-
 
 def _choose(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink,
             key, *, statics, return_probs, backend):
@@ -166,7 +151,7 @@ def attention(
     `ValueError` or `TypeError` naming the argument, what was expected and what came, before
     anything is traced.
     """
-    statics = _statics(scale, causal, window, softcap, dropout_rate, return_probs, backend)
+    statics = call_statics(scale, causal, window, softcap, dropout_rate, return_probs, backend)
     if key is not None:
         check_key(key)
     return _attention_jit(
@@ -190,10 +175,8 @@ def explain(q, k, v, **options) -> Explanation:
     """
     options = dict(options)
     if "cu_seqlens_q" in options or "cu_seqlens_kv" in options:  # varlen_attention's arguments
-        from ._varlen import explain_varlen
-
         return explain_varlen(q, k, v, **options)
-    statics = _statics(
+    statics = call_statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
         options.pop("softcap", None), options.pop("dropout_rate", 0.0),
         options.pop("return_probs", False), options.pop("backend", "auto"),

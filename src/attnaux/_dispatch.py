@@ -12,6 +12,7 @@ import types
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from . import (
     _flash_cpu,
@@ -23,7 +24,7 @@ from . import (
     _softmax_kernel,
     _softmax_reference,
 )
-from ._canon import Problem
+from ._canon import Problem, parse_statics
 
 
 class Implementation(NamedTuple):
@@ -128,6 +129,23 @@ def check_backend(backend: object) -> str:
         options = ", ".join(map(repr, BACKENDS))
         raise ValueError(f"`backend` must be one of {options}; got {backend!r}.")
     return backend
+
+
+def _check_return_probs(return_probs: object) -> bool:
+    if not isinstance(return_probs, (bool, np.bool_)):
+        raise TypeError(f"`return_probs` must be a bool; got {return_probs!r}.")
+    return bool(return_probs)
+
+
+def call_statics(scale, causal, window, softcap, dropout_rate, return_probs, backend) -> dict:
+    """The static options of an `attention` or `varlen_attention` call, parsed once, before they
+    key the jit cache (they must be hashable)."""
+    return dict(
+        statics=parse_statics(scale=scale, causal=causal, window=window, softcap=softcap,
+                              dropout_rate=dropout_rate),
+        return_probs=_check_return_probs(return_probs),
+        backend=check_backend(backend),
+    )
 
 
 def _platform() -> str:

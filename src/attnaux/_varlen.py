@@ -29,7 +29,7 @@ import numpy as np
 from . import _flash_cudnn
 from ._aux import AttnAux
 from ._canon import canonicalize, check_key
-from ._dispatch import Explanation, choose
+from ._dispatch import Explanation, call_statics, choose
 
 __all__ = ["cu_seqlens_to_segment_ids", "segment_ids_to_cu_seqlens", "varlen_attention"]
 
@@ -199,8 +199,6 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
 
 def _prepare(q, k, v, options: dict):
     """Validates `varlen_attention`'s arguments; returns `(cu_q, cu_kv, sink, key, statics)`."""
-    from ._attention import _statics
-
     options = dict(options)
     names = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")
     missing = [name for name in names if options.get(name) is None]
@@ -210,7 +208,7 @@ def _prepare(q, k, v, options: dict):
     max_q, max_kv = _static_int("max_seqlen_q", max_q), _static_int("max_seqlen_kv", max_kv)
     cu_q, cu_kv = (x if isinstance(x, jax.Array) else np.asarray(x) for x in (cu_q, cu_kv))
     _check_arrays(q, k, v, cu_q, cu_kv, max_q, max_kv)
-    statics = _statics(
+    statics = call_statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
         options.pop("softcap", None), options.pop("dropout_rate", 0.0),
         options.pop("return_probs", False), options.pop("backend", "auto"),
