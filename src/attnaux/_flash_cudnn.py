@@ -359,8 +359,10 @@ _FOLD_EPS = 2.0**-60  # dO of such a row: EPS in column 0 (its dP = EPS * V[:, 0
 
 def _folds(cfg: Config, dtype) -> bool:
     # bfloat16 has float32's exponent range, which EPS and dlse / EPS need; float16 does not, and
-    # takes the extra-column path.
-    return cfg.fold_lse and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    # takes the extra-column path. So do calls with dropout: there the fold's rounding of O' put
+    # dK out of the GPU tests' tolerance (test_dropout_gradients[d256] on an H100).
+    return (cfg.fold_lse and cfg.dropout_rate == 0
+            and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
 
 
 def fold_lse_cotangent(out: jax.Array, dout: jax.Array, dlse: jax.Array):
@@ -391,6 +393,34 @@ def fold_lse_cotangent(out: jax.Array, dout: jax.Array, dlse: jax.Array):
     out_f = jnp.where(stuck, jnp.where(first, column, o32), o32 - gamma * d32).astype(out.dtype)
     dout_f = jnp.where(stuck, jnp.where(first, _FOLD_EPS, 0.0), d32).astype(dout.dtype)
     return out_f, dout_f
+
+
+def backward_with_columns(call, k, v, out, dout, parts):
+    """The gradients with the lse cotangent through extra columns (exact; `Dv + 8` columns).
+
+    `call(v, out, dout)` runs cuDNN's backward and returns `(dq, dk, dv, ...)`; `parts` is
+    `-dlse` split into three input-dtype parts per row (`_split3`), shaped like `out`'s rows.
+    `O' = [O, parts]`, `dO' = [dO, 1]`, `V' = [V, 0]` gives `rowsum(dO' * O') = D - dlse` while
+    `dO' . V'^T = dO . V^T`. Without room for the columns (`Dv + 8 > 256`), a second backward with
+    `O = parts`, `dO = 1`, `V = 0` has dP = 0 and D = -dlse, so its dS = P * dlse exactly (with or
+    without dropout); its gradients, dV aside, are added to the first call's."""
+    extra, v_dim = _EXTRA_COLUMNS, v.shape[-1]
+    pad = jnp.zeros((*parts.shape[:-1], extra - 3), parts.dtype)
+    if v_dim + extra <= MAX_HEAD_DIM:
+        out_x = jnp.concatenate([out, parts, pad], axis=-1)
+        dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad], axis=-1)
+        v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
+        dq, dk, dv, *rest = call(v_x, out_x, dout_x)
+        return (dq, dk, dv[..., :v_dim], *rest)
+    grads = call(v, out, dout)
+    o_1 = jnp.concatenate([parts, pad], axis=-1)
+    do_1 = jnp.concatenate([jnp.ones_like(parts), pad], axis=-1)
+    more = call(jnp.zeros((*k.shape[:3], extra), v.dtype), o_1, do_1)
+    return tuple(
+        g if i == 2 or not present(g)
+        else (g.astype(jnp.float32) + g1.astype(jnp.float32)).astype(g.dtype)
+        for i, (g, g1) in enumerate(zip(grads, more, strict=True))
+    )
 
 
 def _split3(x: jax.Array, dtype) -> jax.Array:
@@ -443,8 +473,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
     dout = jnp.zeros_like(out) if no_out else dout.astype(out.dtype)
     if not no_lse:
         dlse = dlse.astype(jnp.float32)
-    bsz, q_seq, q_heads, _ = q.shape
-    kv_seq, v_dim = k.shape[1], v.shape[-1]
+    q_seq, kv_seq = q.shape[1], k.shape[1]
     if cfg.padding or cfg.masked:
         visible = stats < jnp.inf  # [B, Hq, Sq]: the forward set +inf for rows seeing nothing
         dout = jnp.where(visible.transpose(0, 2, 1)[..., None], dout, 0)
@@ -452,45 +481,19 @@ def _core_bwd(cfg: Config, residuals, cotangents):
             dlse = jnp.where(visible, dlse, 0.0)
     backward_op = _ops(cfg)[1]
 
-    def call(q, k, v, bias, q_len, kv_len, rng, out, dout, stats):
+    def call(v, out, dout):
         r = backward_op(q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng,
                         offsets=absent(jnp.int32), out=out, dout=dout, stats=stats)
         return r["dq"], r["dk"], r["dv"], r["dbias"]
 
-    def with_columns():
-        # The lse cotangent through extra columns of O, dO and V (exact; Dv + 8 columns).
-        parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3], sum = -dlse
-        pad_q = jnp.zeros((bsz, q_seq, q_heads, extra - 3), q.dtype)
-        if v_dim + extra <= MAX_HEAD_DIM:
-            # rowsum(dO' * O') = rowsum(dO * O) - dlse; dO' . V'^T = dO . V^T.
-            out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
-            dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
-            v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
-            dq, dk, dv, dbias = call(q, k, v_x, bias, *common, out_x, dout_x, stats)
-            return dq, dk, dv[..., :v_dim], dbias
-        # No room for columns: a second backward with O = -dlse (parts), dO = 1, V = 0 has
-        # dP = 0 and D = -dlse, so dS = P * dlse exactly, with or without dropout (its dV is
-        # discarded).
-        dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
-        o_1 = jnp.concatenate([parts, pad_q], axis=-1)
-        do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
-        v_1 = jnp.zeros((bsz, kv_seq, k.shape[2], extra), q.dtype)
-        dq1, dk1, _, dbias1 = call(q, k, v_1, bias, *common, o_1, do_1, stats)
-        dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
-        dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
-        if present(dbias):
-            dbias = (dbias.astype(jnp.float32) + dbias1.astype(jnp.float32)).astype(bias.dtype)
-        return dq, dk, dv, dbias
-
-    extra = _EXTRA_COLUMNS
-    common = (q_len, kv_len, rng)
     if no_lse:
-        dq, dk, dv, dbias = call(q, k, v, bias, *common, out, dout, stats)
+        dq, dk, dv, dbias = call(v, out, dout)
     elif no_out or not _folds(cfg, out.dtype):
-        dq, dk, dv, dbias = with_columns()
+        parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3], sum = -dlse
+        dq, dk, dv, dbias = backward_with_columns(call, k, v, out, dout, parts)
     else:
         folded, dout_f = fold_lse_cotangent(out, dout, dlse.transpose(0, 2, 1))
-        dq, dk, dv, dbias = call(q, k, v, bias, *common, folded, dout_f, stats)
+        dq, dk, dv, dbias = call(v, folded, dout_f)
     if cfg.padding:
         q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
         kv_rows = (jnp.arange(kv_seq)[None, :] < kv_len[:, None])[:, :, None, None]
@@ -838,26 +841,9 @@ def _ragged_bwd(cfg: Config, residuals, cotangents):
     per_token = jnp.where(q_keep[:, None], dlse[seq, :, pos], 0.0)[None]  # [1, T, Hq]
     dout = jnp.where(q_keep[None, :, None, None], dout, 0)
 
-    def with_columns():
-        parts = _split3(-per_token, q.dtype)  # [1, T, Hq, 3]
-        extra, v_dim = _EXTRA_COLUMNS, v.shape[-1]
-        pad_q = jnp.zeros((*q.shape[:3], extra - 3), q.dtype)
-        if v_dim + extra <= MAX_HEAD_DIM:
-            out_x = jnp.concatenate([out, parts, pad_q], axis=-1)
-            dout_x = jnp.concatenate([dout, jnp.ones_like(parts), pad_q], axis=-1)
-            v_x = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], extra), v.dtype)], axis=-1)
-            dq, dk, dv = call(v_x, out_x, dout_x)
-            return dq, dk, dv[..., :v_dim]
-        dq, dk, dv = call(v, out, dout)
-        o_1 = jnp.concatenate([parts, pad_q], axis=-1)
-        do_1 = jnp.concatenate([jnp.ones_like(parts), pad_q], axis=-1)
-        dq1, dk1, _ = call(jnp.zeros((*k.shape[:3], extra), q.dtype), o_1, do_1)
-        dq = (dq.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(q.dtype)
-        dk = (dk.astype(jnp.float32) + dk1.astype(jnp.float32)).astype(k.dtype)
-        return dq, dk, dv
-
     if no_out or not _folds(cfg, out.dtype):
-        return (*with_columns(), *nones)
+        parts = _split3(-per_token, q.dtype)  # [1, T, Hq, 3]
+        return (*backward_with_columns(call, k, v, out, dout, parts), *nones)
     folded, dout_f = fold_lse_cotangent(out, dout, per_token)
     return (*call(v, folded, dout_f), *nones)
 
