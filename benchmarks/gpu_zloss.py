@@ -6,8 +6,9 @@ Side by side in one run, bf16, causal, the shapes of issue 23, forward+backward 
 loss, jitted) of:
 
 - `plain`: `sum(out * w)`, no lse cotangent;
-- `z-loss`: `sum(out * w) + 1e-4 * mean(lse^2)`, the lse cotangent folded into O
-  (`_flash_cudnn.fold_lse_cotangent`: one elementwise pass, one cuDNN backward);
+- `z-loss`: `sum(out * w) + 1e-4 * mean(lse^2)`, the lse cotangent folded into O by attnaux's
+  CUDA kernel `attnaux_fold_lse` (one pass over O and dO, then one cuDNN backward);
+- `z-loss (xla fold)`: the same fold as XLA's fusion of `_flash_cudnn.fold_lse_cotangent`;
 - `z-loss (columns)`: the same loss through the extra-column path (O, dO and V with 8 more
   columns), which every call took before;
 - `lse only`: `mean(lse^2)` (no output cotangent: the extra-column path);
@@ -45,21 +46,24 @@ def _loss(kind):
 
 
 def _grad(kind, fold, args):
-    """The compiled step, traced afresh with `FOLD_LSE_COTANGENT = fold` (attnaux's inner jit
-    would otherwise reuse the first variant's trace)."""
+    """The compiled step, traced afresh with the fold `fold` ("kernel", "xla" or False: the
+    extra columns); attnaux's inner jit would otherwise reuse the first variant's trace."""
     def step(q, k, v, w):
         return jax.grad(_loss(kind), argnums=(0, 1, 2))(q, k, v, w)
-    _flash_cudnn.FOLD_LSE_COTANGENT = fold
+    _flash_cudnn.FOLD_LSE_COTANGENT = bool(fold)
+    _flash_cudnn.FOLD_WITH_KERNEL = fold == "kernel"
     jax.clear_caches()
     try:
         return jax.jit(step).lower(*args).compile()
     finally:
         _flash_cudnn.FOLD_LSE_COTANGENT = True
+        _flash_cudnn.FOLD_WITH_KERNEL = True
 
 
 def main():
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    names = ["plain", "z-loss", "z-loss (columns)", "lse only", "jax.nn cudnn"]
+    names = ["plain", "z-loss", "z-loss (xla fold)", "z-loss (columns)", "lse only",
+             "jax.nn cudnn"]
     print("| shape (b x s x h x d) | " + " | ".join(names) + " | z-loss / plain |")
     print("|---|" + "---|" * (len(names) + 1))
     for b, s, h, d in SHAPES:
@@ -68,10 +72,12 @@ def main():
                       for i in range(4))
         w = w.astype(jnp.float32)
         args = (q, k, v, w)
-        fns = {"plain": _grad("plain", True, args), "z-loss": _grad("z-loss", True, args),
+        fns = {"plain": _grad("plain", "kernel", args),
+               "z-loss": _grad("z-loss", "kernel", args),
+               "z-loss (xla fold)": _grad("z-loss", "xla", args),
                "z-loss (columns)": _grad("z-loss", False, args),
-               "lse only": _grad("lse only", True, args),
-               "jax.nn cudnn": _grad("jax.nn cudnn", True, args)}
+               "lse only": _grad("lse only", "kernel", args),
+               "jax.nn cudnn": _grad("jax.nn cudnn", "kernel", args)}
         t = timed(fns, args)
         cells = [f"{t[n] * 1e3:.3f} ({t[n] / t['plain']:.2f}x)" for n in names]
         print(f"| {b}x{s}x{h}x{d} | " + " | ".join(cells) + f" | {t['z-loss'] / t['plain']:.2f}x |")

@@ -208,11 +208,13 @@ def test_lse_only_gradient():
         assert_close(g, r, tol(jnp.bfloat16, "grad"), f"d{n}")
 
 
-@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("fold", ["kernel", "xla", False])
 def test_lse_cotangent_with_rows_outside_the_loss(fold, monkeypatch):
     """A z-loss on every row, the output loss on some rows only: rows whose dO is 0 still carry
-    their lse cotangent (folded into O, or through extra columns), exact against reference."""
-    monkeypatch.setattr(_flash_cudnn, "FOLD_LSE_COTANGENT", fold)
+    their lse cotangent (folded into O by the CUDA kernel or by XLA, or through extra columns),
+    exact against reference."""
+    monkeypatch.setattr(_flash_cudnn, "FOLD_LSE_COTANGENT", bool(fold))
+    monkeypatch.setattr(_flash_cudnn, "FOLD_WITH_KERNEL", fold == "kernel")
     q, k, v = make_inputs(13, 2, 128, 128, 4, 2, 64, 64, jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (2, 128, 4, 64)).at[:, ::3].set(0.0)
 
@@ -224,6 +226,39 @@ def test_lse_cotangent_with_rows_outside_the_loss(fold, monkeypatch):
     want = jax.jit(jax.grad(lambda *a: loss(*a, "reference"), argnums=(0, 1, 2)))(q, k, v)
     for g, r, n in zip(got, want, "qkv", strict=True):
         assert_close(g, r, tol(jnp.bfloat16, "grad"), f"d{n}")
+
+
+@pytest.mark.skipif(not _ffi.has_target(_flash_cudnn.FOLD_TARGET, "cuda"),
+                    reason="this build has no attnaux_fold_lse kernel")
+@pytest.mark.parametrize("dv", [64, 128, 72])
+def test_fold_kernel_matches_the_xla_fold(dv):
+    """`attnaux_fold_lse` against `fold_lse_cotangent` (the same formulas in float32 JAX), with
+    rows of every kind: dlse = 0 (O kept), an ordinary row, dO = 0 with dlse != 0 (the EPS
+    column), and tiny dO. O' may differ by one bf16 rounding (the order of the row sums), dO'
+    must be equal, and rowsum(dO' * O') must be D - dlse within bf16 rounding."""
+    rng = np.random.default_rng(dv)
+    rows = (3, 37, 4)  # [B, S, H]
+    out = jnp.asarray(rng.standard_normal((*rows, dv)), jnp.bfloat16)
+    dout = np.asarray(rng.standard_normal((*rows, dv)), np.float32)
+    dlse = rng.standard_normal(rows).astype(np.float32)
+    dlse[0, :5] = 0.0
+    dout[1, :4] = 0.0  # dO = 0, dlse != 0: the EPS column
+    dout[2, :3] = 1e-20  # |dO|^2 below the threshold
+    dout = jnp.asarray(dout, jnp.bfloat16)
+    fold = jax.jit(lambda o, d, g: _flash_cudnn._FOLD_OP(out=o, dout=d, dlse=g))
+    got = fold(out, dout, jnp.asarray(dlse))
+    want_o, want_d = _flash_cudnn.fold_lse_cotangent(out, dout, jnp.asarray(dlse))
+    np.testing.assert_array_equal(np.asarray(got["dout_f"]), np.asarray(want_d))
+    o32, w32 = (np.asarray(x, np.float32) for x in (got["out_f"], want_o))
+    np.testing.assert_allclose(o32, w32, rtol=2**-7, atol=1e-6 * np.abs(w32).max())
+    d32 = np.asarray(got["dout_f"], np.float32)
+    row_term = (np.asarray(dout, np.float32) * np.asarray(out, np.float32)).sum(-1)
+    folded_term = (d32 * o32).sum(-1)
+    scale = (np.abs(np.asarray(dout, np.float32) * np.asarray(out, np.float32)).sum(-1)
+             + np.abs(dlse))
+    np.testing.assert_array_less(np.abs(folded_term - (row_term - dlse)), 2**-7 * scale + 1e-30)
+    keep = dlse == 0
+    np.testing.assert_array_equal(o32[keep], np.asarray(out, np.float32)[keep])
 
 
 def test_cudnn_targets_in_hlo():

@@ -13,7 +13,11 @@
 //   dQ^T += K^T dS^T  (A = K rows,       B = dS^T)
 // K and V (and in the backward also Q, dO) are converted to float32 once into packed, zero-padded
 // buffers; rows beyond the valid lengths are packed as zeros, so NaN/inf there never enters a
-// product. Scratch is linear in the sequence lengths; the Sq x Skv score matrix never exists.
+// product. Rows that a mask or the segment ids hide are not known at packing time: packing flags
+// the blocks that hold a non-finite value, and a tile of such a block zeroes, in a copy, the rows
+// it hides before its products (HiddenInTile), so that 0 * NaN never reaches an output or a
+// gradient. Finite inputs never take that path. Scratch is linear in the sequence lengths; the
+// Sq x Skv score matrix never exists.
 //
 // Tile sizes and scratch: attention_tile.h. What a tile sees (band, mask, segments, dropout) and
 // its scores: attention_mask.h. Packing, forward and backward drivers: here.
@@ -57,6 +61,7 @@ struct BackwardOutputs {
 // Packed float32 K and V of one (batch, kv head); keys at or beyond kv_seqlens are zero.
 //   kt: [nkb][D][BK]   (K^T per key block)      v_rows: [nkb*BK][Dv]
 //   k_rows: [nkb*BK][D] and vt: [nkb][Dv][BK]   (backward only)
+//   nonfinite: [nkb]   1 where a key or value row of the block holds NaN or inf, else 0
 struct KvPackLayout {
   int64_t num_blocks, d, dv;
   bool backward;
@@ -65,7 +70,9 @@ struct KvPackLayout {
   int64_t keys() const { return num_blocks * kBlockK; }
   int64_t kt_size() const { return keys() * d; }
   int64_t v_size() const { return keys() * dv; }
-  int64_t size() const { return backward ? 2 * (kt_size() + v_size()) : kt_size() + v_size(); }
+  int64_t size() const {
+    return (backward ? 2 * (kt_size() + v_size()) : kt_size() + v_size()) + num_blocks;
+  }
 };
 
 struct KvPack {
@@ -73,6 +80,7 @@ struct KvPack {
   const float* v_rows;
   const float* k_rows;
   const float* vt;
+  const float* nonfinite;
 };
 
 inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
@@ -81,6 +89,7 @@ inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
   pack.v_rows = base + layout.kt_size();
   pack.k_rows = layout.backward ? base + layout.kt_size() + layout.v_size() : nullptr;
   pack.vt = layout.backward ? base + 2 * layout.kt_size() + layout.v_size() : nullptr;
+  pack.nonfinite = base + layout.size() - layout.num_blocks;
   return pack;
 }
 
@@ -92,11 +101,16 @@ inline void PackKv(const AttentionParams& p, int64_t b, int64_t hkv, const KvPac
   float* v_rows = base + layout.kt_size();
   float* k_rows = layout.backward ? v_rows + layout.v_size() : nullptr;
   float* vt = layout.backward ? k_rows + layout.kt_size() : nullptr;
+  float* nonfinite = base + layout.size() - layout.num_blocks;
+  std::fill(nonfinite, nonfinite + layout.num_blocks, 0.0f);
   std::vector<float> k_row(d), v_row(dv);
   for (int64_t j = 0; j < layout.keys(); ++j) {
     if (j < kl) {
       LoadRow(p.elem, p.k, ((b * p.kv_len + j) * p.kv_heads + hkv) * d, d, k_row.data());
       LoadRow(p.elem, p.v, ((b * p.kv_len + j) * p.kv_heads + hkv) * dv, dv, v_row.data());
+      if (!AllFinite(k_row.data(), d) || !AllFinite(v_row.data(), dv)) {
+        nonfinite[j / kBlockK] = 1.0f;
+      }
     } else {
       std::fill(k_row.begin(), k_row.end(), 0.0f);
       std::fill(v_row.begin(), v_row.end(), 0.0f);
@@ -109,6 +123,49 @@ inline void PackKv(const AttentionParams& p, int64_t b, int64_t hkv, const KvPac
       for (int64_t x = 0; x < dv; ++x) vt[(jb * dv + x) * kBlockK + jj] = v_row[x];
     }
   }
+}
+
+// The keys of a tile that none of its rows sees and the rows that see none of its keys (every
+// score -inf after ScoreTile). Such a key or row still enters the tile's products with weight 0;
+// when its packed values are not finite, 0 * NaN would leak into outputs and gradients that never
+// looked at it, so the tile zeroes it in a copy (CleanRows). Only tiles of blocks flagged
+// non-finite at packing ask, so finite inputs pay nothing.
+struct HiddenInTile {
+  bool keys[kBlockK];
+  bool rows[kBlockQ];
+  bool any_key = false, any_row = false;
+
+  HiddenInTile() = default;  // nothing hidden (any_key = any_row = false)
+  HiddenInTile(const float* st, int64_t nk, int64_t valid) {
+    for (int64_t lane = 0; lane < kBlockQ; ++lane) rows[lane] = lane < valid;
+    for (int64_t r = 0; r < nk; ++r) {
+      bool hidden = true;
+      for (int64_t lane = 0; lane < valid; ++lane) {
+        const bool seen = st[r * kBlockQ + lane] != -kInf;
+        hidden &= !seen;
+        rows[lane] &= !seen;
+      }
+      keys[r] = hidden;
+      any_key |= hidden;
+    }
+    for (int64_t lane = 0; lane < valid; ++lane) any_row |= rows[lane];
+  }
+};
+
+// `n` rows of `width` floats (leading dimension `ld`) copied into `scratch`, the rows with
+// hidden[r] zeroed; returns the copy (leading dimension `width`).
+inline const float* CleanRows(const float* rows, int64_t ld, int64_t n, int64_t width,
+                              const bool* hidden, std::vector<float>& scratch) {
+  if (static_cast<int64_t>(scratch.size()) < n * width) scratch.resize(n * width);
+  for (int64_t r = 0; r < n; ++r) {
+    float* dst = scratch.data() + r * width;
+    if (hidden[r]) {
+      std::fill(dst, dst + width, 0.0f);
+    } else {
+      std::copy(rows + r * ld, rows + r * ld + width, dst);
+    }
+  }
+  return scratch.data();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -150,6 +207,11 @@ inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, 
     if (j0 >= j1) continue;
     const int64_t nk = j1 - j0;
     ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr);
+    const float* v_tile = kv.v_rows + j0 * dv;
+    if (kv.nonfinite[jb] != 0.0f) {
+      const HiddenInTile hidden(st, nk, valid);
+      if (hidden.any_key) v_tile = CleanRows(v_tile, dv, nk, dv, hidden.keys, scratch.clean);
+    }
     // Online softmax update, per lane (= query row).
     VecF alpha[kQVectors];
     for (int v = 0; v < kQVectors; ++v) {
@@ -183,7 +245,7 @@ inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, 
         Store(op, Load(op) * alpha[v]);
       }
     }
-    GemmLanes<1>(dv, nk, kv.v_rows + j0 * dv, dv, st, kBlockQ, kQVectors, ot, kBlockQ, true);
+    GemmLanes<1>(dv, nk, v_tile, dv, st, kBlockQ, kQVectors, ot, kBlockQ, true);
   }
 
   // Final statistics and output rows.
@@ -265,6 +327,7 @@ inline void FlashForward(const AttentionParams& params, const ForwardOutputs& ou
 // with lse_eff = +inf (so that P = 0 there) and Dt = 0.
 //   qt: [nqb][D][BQ]  q_rows: [nqb*BQ][Dp]  dot: [nqb][Dv][BQ]  do_rows: [nqb*BQ][Dvp]
 //   lse_eff, dt: [nqb*BQ]   (Dp, Dvp: head dims rounded up to whole vectors)
+//   nonfinite: [nqb]   1 where a query row of the block holds NaN or inf, else 0
 struct QPackLayout {
   int64_t num_blocks, d, dv, dp, dvp;
   explicit QPackLayout(const AttentionParams& p)
@@ -274,7 +337,7 @@ struct QPackLayout {
         dp(RoundUpLanes(p.head_dim)),
         dvp(RoundUpLanes(p.v_dim)) {}
   int64_t rows() const { return num_blocks * kBlockQ; }
-  int64_t size() const { return rows() * (d + dp + dv + dvp + 2); }
+  int64_t size() const { return rows() * (d + dp + dv + dvp + 2) + num_blocks; }
 };
 
 struct QPack {
@@ -284,6 +347,7 @@ struct QPack {
   float* do_rows;
   float* lse_eff;
   float* dt;
+  float* nonfinite;
 };
 
 inline QPack QPackAt(const QPackLayout& layout, float* base) {
@@ -295,6 +359,7 @@ inline QPack QPackAt(const QPackLayout& layout, float* base) {
   pack.do_rows = pack.dot + n * layout.dv;
   pack.lse_eff = pack.do_rows + n * layout.dvp;
   pack.dt = pack.lse_eff + n;
+  pack.nonfinite = pack.dt + n;
   return pack;
 }
 
@@ -315,6 +380,7 @@ inline void PackQ(const AttentionParams& p, const BackwardInputs& in, int64_t b,
     LoadRow(p.elem, in.dout, token * dv, dv, do_row.data());
     LoadRow(p.elem, in.out, token * dv, dv, out_row.data());
     const int64_t ib = i / kBlockQ, lane = i % kBlockQ;
+    if (!AllFinite(q_row.data(), d)) pack.nonfinite[ib] = 1.0f;
     for (int64_t x = 0; x < d; ++x) pack.qt[(ib * d + x) * kBlockQ + lane] = q_row[x];
     std::copy(q_row.begin(), q_row.end(), pack.q_rows + i * layout.dp);
     for (int64_t x = 0; x < dv; ++x) pack.dot[(ib * dv + x) * kBlockQ + lane] = do_row[x];
@@ -352,6 +418,9 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
   float* ds = scratch.dprobs.get();
   float* drop = scratch.drop.get();
   ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th);
+  // Non-finite packed rows: which keys and rows the tile hides (their products are cleaned below).
+  const bool check_hidden = kv.nonfinite[jb] != 0.0f || qs.nonfinite[ib] != 0.0f;
+  const HiddenInTile hidden = check_hidden ? HiddenInTile(st, nk, valid) : HiddenInTile();
   for (int64_t r = 0; r < nk; ++r) {
     for (int v = 0; v < kQVectors; ++v) {
       const int64_t x = r * kBlockQ + v * kLanes;
@@ -381,6 +450,14 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
       Store(ds + x, Load(pr + x) * (dp - Load(qs.dt + i0 + v * kLanes)));
     }
   }
+  if (hidden.any_key || hidden.any_row) {
+    // dS of a hidden key or row is 0 * (dP - Dt), and dP there may be 0 * NaN: make it 0.
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+        if (hidden.keys[r] || hidden.rows[lane]) ds[r * kBlockQ + lane] = 0.0f;
+      }
+    }
+  }
   if (dqt != nullptr && dbias != nullptr) {
     for (int64_t lane = 0; lane < valid; ++lane) {
       float* row = dbias + (i0 + lane) * p.kv_len;
@@ -394,11 +471,17 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
     }
   }
   if (dk_block != nullptr) {
-    GemmLanes<kBlockQ>(nk, kBlockQ, ds, 1, qs.q_rows + i0 * ql.dp, ql.dp, ql.dp / kLanes,
+    const float* q_tile = qs.q_rows + i0 * ql.dp;
+    if (hidden.any_row) {
+      q_tile = CleanRows(q_tile, ql.dp, kBlockQ, ql.dp, hidden.rows, scratch.clean);
+    }
+    GemmLanes<kBlockQ>(nk, kBlockQ, ds, 1, q_tile, ql.dp, ql.dp / kLanes,
                        dk_block + key_offset * ql.dp, ql.dp, true);
   }
   if (dqt != nullptr) {
-    GemmLanes<1>(d, nk, kv.k_rows + j0 * d, d, ds, kBlockQ, kQVectors, dqt, kBlockQ, true);
+    const float* k_tile = kv.k_rows + j0 * d;
+    if (hidden.any_key) k_tile = CleanRows(k_tile, d, nk, d, hidden.keys, scratch.clean);
+    GemmLanes<1>(d, nk, k_tile, d, ds, kBlockQ, kQVectors, dqt, kBlockQ, true);
   }
 }
 

@@ -139,9 +139,19 @@ inline void StoreRow(Elem elem, void* base, int64_t offset, int64_t n, const flo
   }
 }
 
-// Work space of one tile (kBlockK x kBlockQ each).
+// Whether all n values are finite: x * 0 is 0 for finite x and NaN for NaN and inf (the kernels
+// are built without fast-math, so this is not folded away).
+inline bool AllFinite(const float* x, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += x[i] * 0.0f;
+  return acc == 0.0f;
+}
+
+// Work space of one tile (kBlockK x kBlockQ each), and `clean`: copies of packed rows with the
+// rows a tile hides zeroed (attention_cpu.h, HiddenInTile), sized on first use.
 struct TileScratch {
   FloatBuffer scores, tanh, probs, dprobs, drop;
+  std::vector<float> clean;
   TileScratch()
       : scores(kBlockK * kBlockQ),
         tanh(kBlockK * kBlockQ),

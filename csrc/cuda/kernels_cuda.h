@@ -15,3 +15,5 @@ extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxFwdCuda(XLA_FFI_CallFrame* call_fra
 extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);
 // cuda/zero_rows.cu: rows of padding tokens set to 0 after cuDNN's packed (THD) layout.
 extern "C" XLA_FFI_Error* AttnauxZeroRowsCuda(XLA_FFI_CallFrame* call_frame);
+// cuda/fold_lse.cu: the lse cotangent folded into O for cuDNN's backward (one pass).
+extern "C" XLA_FFI_Error* AttnauxFoldLseCuda(XLA_FFI_CallFrame* call_frame);

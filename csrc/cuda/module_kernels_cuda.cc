@@ -26,6 +26,7 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_probs_softmax_fwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxFwdCuda);
         handlers["attnaux_probs_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxBwdCuda);
         handlers["attnaux_zero_rows"] = attnaux::HandlerCapsule(AttnauxZeroRowsCuda);
+        handlers["attnaux_fold_lse"] = attnaux::HandlerCapsule(AttnauxFoldLseCuda);
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "

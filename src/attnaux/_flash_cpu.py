@@ -22,7 +22,6 @@ from ._kernel_call import (
     gradient_shapes,
     kernel_operands,
 )
-from ._masking import zero_hidden_rows
 
 FWD_TARGET = "attnaux_flash_fwd"
 BWD_TARGET = "attnaux_flash_bwd"
@@ -63,7 +62,9 @@ def unavailable(problem: Problem, platform: str) -> str | None:
 def run(arrays: Canonical, options: Options, return_probs: bool):
     """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], None)` through the C++ kernels."""
     del return_probs  # flash saves no probabilities (the dispatch never asks it to)
-    out, lse, row_max, _ = _primitive(zero_hidden_rows(arrays, options), options, False)
+    # No zero_hidden_rows pass: the kernels zero, inside a tile, the rows it hides when they hold
+    # NaN or inf (attention_cpu.h); the pass cost packed sequences ~30% of the forward.
+    out, lse, row_max, _ = _primitive(arrays, options, False)
     return out, lse, row_max, None
 
 
@@ -73,7 +74,6 @@ def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
     kernel with the *whole* problem's `out` and `lse` in place of the block's own, so that it
     recomputes the whole problem's probabilities on this block's keys, `P = exp(s - lse)`, and
     its row term `D = rowsum(dout * out) - dlse`: the block's exact share of the gradients."""
-    arrays = zero_hidden_rows(arrays, options)
     ops = kernel_operands(arrays)
     dq, dk, dv, _ = _backward(options, ops, out, lse, None, dout, dlse, None)
     return dq, dk, dv

@@ -79,6 +79,7 @@ from ._kernel_call import (
     present,
 )
 from ._masking import zero_hidden_rows
+from ._partition import BATCH as BATCH_DIM
 from ._partition import HEADS, KV_HEADS
 
 FWD_TARGET = "attnaux_flash_fwd_cudnn"
@@ -92,6 +93,13 @@ FOLD_LSE_COTANGENT = True
 """Whether a bfloat16 backward with both cotangents folds `dlse` into O (`fold_lse_cotangent`);
 False takes the extra-column path always (benchmarks/gpu_zloss.py compares the two). Read when a
 call is traced (it keys the call's `Config`)."""
+
+FOLD_TARGET = "attnaux_fold_lse"
+FOLD_WITH_KERNEL = True
+"""Whether the fold runs as attnaux's CUDA kernel `attnaux_fold_lse` (csrc/cuda/fold_lse.cu: one
+pass that reads O and dO once and writes O', dO' in place) where it is built, or as the XLA
+fusion of `fold_lse_cotangent` (two reads of O and dO, O' and dO' both written). Read when a
+call is traced, like `FOLD_LSE_COTANGENT`."""
 
 _SOFTCAP_BIAS_WHY = (
     "the cuDNN path does not serve softcap together with a bias: cuDNN 9.19's fused backward "
@@ -127,6 +135,7 @@ class Config(NamedTuple):
     max_seqlen_q: int = 0  # ragged: the padded lengths cuDNN's graph is built for
     max_seqlen_kv: int = 0
     fold_lse: bool = True  # backward: `FOLD_LSE_COTANGENT` when the call was traced
+    fold_kernel: bool = False  # the fold through `attnaux_fold_lse` (`FOLD_WITH_KERNEL`, built)
 
 
 def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -252,6 +261,7 @@ def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
         masked=bool(masked),
         bias_grad=bool(bias) or not masked,
         fold_lse=bool(FOLD_LSE_COTANGENT),
+        fold_kernel=bool(FOLD_WITH_KERNEL) and _ffi.has_target(FOLD_TARGET, "cuda"),
     )
 
 
@@ -395,6 +405,27 @@ def fold_lse_cotangent(out: jax.Array, dout: jax.Array, dlse: jax.Array):
     return out_f, dout_f
 
 
+def _fold_layout(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    del shape
+    return (BATCH_DIM, "q_seq", HEADS) if name == "dlse" else (BATCH_DIM, "q_seq", HEADS, "v_dim")
+
+
+_FOLD_OP = KernelOp(
+    FOLD_TARGET, (("out", BATCH), ("dout", BATCH), ("dlse", BATCH)), ("out_f", "dout_f"),
+    lambda ops: (jax.ShapeDtypeStruct(ops["out"].shape, ops["out"].dtype),
+                 jax.ShapeDtypeStruct(ops["dout"].shape, ops["dout"].dtype)),
+    {}, aliases={1: 1}, layout=_fold_layout,
+)
+
+
+def _fold(cfg: Config, out: jax.Array, dout: jax.Array, dlse: jax.Array):
+    """`fold_lse_cotangent`, through the CUDA kernel where `cfg` says so (same semantics)."""
+    if not cfg.fold_kernel:
+        return fold_lse_cotangent(out, dout, dlse)
+    r = _FOLD_OP(out=out, dout=dout, dlse=dlse.astype(jnp.float32))
+    return r["out_f"], r["dout_f"]
+
+
 def backward_with_columns(call, k, v, out, dout, parts):
     """The gradients with the lse cotangent through extra columns (exact; `Dv + 8` columns).
 
@@ -492,7 +523,7 @@ def _core_bwd(cfg: Config, residuals, cotangents):
         parts = _split3(-dlse, q.dtype).transpose(0, 2, 1, 3)  # [B, Sq, Hq, 3], sum = -dlse
         dq, dk, dv, dbias = backward_with_columns(call, k, v, out, dout, parts)
     else:
-        folded, dout_f = fold_lse_cotangent(out, dout, dlse.transpose(0, 2, 1))
+        folded, dout_f = _fold(cfg, out, dout, dlse.transpose(0, 2, 1))
         dq, dk, dv, dbias = call(v, folded, dout_f)
     if cfg.padding:
         q_rows = jnp.arange(q_seq)[None, :] < q_len[:, None]
@@ -844,7 +875,7 @@ def _ragged_bwd(cfg: Config, residuals, cotangents):
     if no_out or not _folds(cfg, out.dtype):
         parts = _split3(-per_token, q.dtype)  # [1, T, Hq, 3]
         return (*backward_with_columns(call, k, v, out, dout, parts), *nones)
-    folded, dout_f = fold_lse_cotangent(out, dout, per_token)
+    folded, dout_f = _fold(cfg, out, dout, per_token)
     return (*call(v, folded, dout_f), *nones)
 
 
