@@ -14,7 +14,8 @@ The attention of every layer is, side by side in one run:
 - `attnaux + z-loss + max`: the same call, plus a z-loss `1e-4 * mean(aux.lse**2)` of every layer
   in the loss (its gradient goes through the fused backward) and the per-head max logit of every
   layer read from `aux.max` and returned with the loss (what QK-clip reads);
-- `fa3`: FlashAttention-3 (`dew_flash_attn.flash_mha`) when that package is importable.
+- `fa3`: FlashAttention-3 (`dew_flash_attn.flash_mha`) when that package is importable;
+- with `--breakdown` also `attnaux + z-loss` and `attnaux + max` (each statistic alone).
 
 Timing: `gpu_flash.timed` (median over rounds of back-to-back steps, the candidates taking turns).
 Prints ms per step and the ratio of each to `jax.nn cudnn`; the target of issue 23 is `attnaux +
@@ -50,9 +51,9 @@ def _attend(kind, q, k, v):
     if kind == "fa3":
         return dew_flash_attn.flash_mha(q, k, v, is_causal=True), 0, None
     out, aux = attnaux.attention(q, k, v, causal=True)
-    if kind == "attnaux":
-        return out, 0, None
-    return out, Z_LOSS * jnp.mean(aux.lse**2), jnp.max(aux.max, axis=(0, 2))
+    z = Z_LOSS * jnp.mean(aux.lse**2) if "z-loss" in kind else 0
+    mx = jnp.max(aux.max, axis=(0, 2)) if "max" in kind else None
+    return out, z, mx
 
 
 def init(key, layers, dim, heads, vocab):
@@ -109,11 +110,14 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
     params = init(jax.random.key(0), args.layers, args.dim, args.heads, args.vocab)
     # seq + 1 tokens: the model reads `seq` of them and predicts the next
     tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, args.vocab)
     kinds = ["jax.nn cudnn", "attnaux", "attnaux + z-loss + max"]
+    if args.breakdown:
+        kinds += ["attnaux + z-loss", "attnaux + max"]
     if dew_flash_attn is not None:
         kinds.append("fa3")
     steps = {kind: make_step(kind, args.heads) for kind in kinds}

@@ -410,3 +410,16 @@ def test_explain_on_gpu():
     assert "cannot serve" in e.reasons["probs"] and "softcap" in e.reasons["flash"], str(e)
     e = attnaux.explain(q, k, v)
     assert e.backend == "flash" and "not chosen" in e.reasons["probs"], str(e)
+
+
+def test_auto_prefers_probs_for_small_calls_by_the_measured_rule():
+    """GPU `auto` takes `probs` where the benchmark table measured it faster (small calls), cites
+    the rule in `explain`, and keeps cuDNN above it."""
+    q, k, v = make_inputs(0, (4,), 256, 256, 8, 8, 64, 64, jnp.bfloat16)
+    e = attnaux.explain(q, k, v, causal=True)
+    assert e.backend == "probs" and "GPU_AUTO_PROBS_MAX_PAIRS" in e.reasons["probs"], str(e)
+    out, aux = attnaux.attention(q, k, v, causal=True)
+    assert aux.backend == "probs" and aux.probs is None
+    q, k, v = make_inputs(0, (16,), 512, 512, 16, 16, 64, 64, jnp.bfloat16)
+    e = attnaux.explain(q, k, v, causal=True)
+    assert e.backend == "flash" and "GPU_AUTO_PROBS_MAX_PAIRS" in e.reasons["probs"], str(e)

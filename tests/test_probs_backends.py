@@ -491,3 +491,26 @@ def test_small_seq_kernel_rechecks_its_shape():
     problem = canonical_problem(q, k, v)
     with pytest.raises(Exception, match=r"attnaux_small_seq: needs q_seq == 1 and kv_seq <= 16"):
         jax.block_until_ready(run(problem.arrays, problem.options, False))
+
+
+def test_gpu_auto_rule_thresholds():
+    """The GPU rule of `auto` (`gpu_prefers_probs`, derived from benchmarks/gpu_auto_table.py):
+    probs at most GPU_AUTO_PROBS_MAX_PAIRS score entries (4x that with a boolean mask), q_seq at
+    least GPU_AUTO_PROBS_MIN_Q_SEQ and kv_seq at most AUTO_PROBS_MAX_KV_SEQ; flash otherwise."""
+    from attnaux import _dispatch
+    from attnaux._internal import canonical_problem
+
+    def rule(b, h, sq, skv, **options):
+        q = jnp.zeros((b, sq, h, 64), jnp.bfloat16)
+        kv = jnp.zeros((b, skv, h, 64), jnp.bfloat16)
+        return _dispatch.gpu_prefers_probs(canonical_problem(q, kv, kv, **options))
+
+    assert _dispatch.GPU_AUTO_PROBS_MAX_PAIRS == 4 * 8 * 256 * 256
+    assert "GPU_AUTO_PROBS_MAX_PAIRS" in rule(4, 8, 256, 256)
+    assert rule(4, 8, 256, 256, causal=True) is not None
+    assert rule(16, 16, 128, 128) is None  # 2**22 pairs: within 1.2x either way, flash kept
+    assert rule(4, 8, 512, 512) is None
+    mask = jnp.ones((4, 1, 512, 512), bool)
+    assert "MASKED" in rule(4, 8, 512, 512, mask=mask)
+    assert rule(1, 1, 64, 64) is None  # q_seq below the measured range
+    assert rule(1, 1, 128, 1024) is None  # kv_seq above AUTO_PROBS_MAX_KV_SEQ

@@ -74,6 +74,36 @@ def _auto_probs_max_kv_seq(platform: str) -> int:
     return AUTO_PROBS_MAX_KV_SEQ if platform == "cpu" else 0
 
 
+GPU_AUTO_PROBS_MAX_PAIRS = 2**21
+GPU_AUTO_PROBS_MAX_PAIRS_MASKED = 2**23
+GPU_AUTO_PROBS_MIN_Q_SEQ = 128
+"""On GPU, `backend="auto"` picks `probs` over `flash` (cuDNN) for calls so small that per-call
+cost decides: `batch * q_heads * q_seq * kv_seq` at most `GPU_AUTO_PROBS_MAX_PAIRS` (2**21 score
+entries), or `GPU_AUTO_PROBS_MAX_PAIRS_MASKED` (2**23) with a boolean mask (which cuDNN reads as a
+bias), with `q_seq >= GPU_AUTO_PROBS_MIN_Q_SEQ` and `kv_seq <= AUTO_PROBS_MAX_KV_SEQ`, the range
+measured. Derived from `python benchmarks/gpu_auto_table.py` on an H100 (bf16; the table is in
+docs/backends.md): at 4 x 8 heads and s = 128 or 256 `probs` was faster than `flash` in all 12
+rows forward and forward+backward (1.3-2.4x forward+backward); at 2**22 pairs (16 x 16 x 128)
+the two were within 1.2x either way; from 2**24 pairs on `flash` won every row, up to 8x. With a
+mask `probs` stayed ahead up to 4 x 8 x 512 (forward+backward 1.39x)."""
+
+
+def gpu_prefers_probs(problem: Problem) -> str | None:
+    """The measured rule (`GPU_AUTO_PROBS_MAX_PAIRS`) by which GPU `auto` prefers `probs`, as the
+    reason `explain` cites, or None when it does not apply."""
+    bsz, q_seq, q_heads, _ = problem.arrays.q.shape
+    kv_seq = problem.arrays.k.shape[1]
+    masked = problem.arrays.mask is not None
+    limit = GPU_AUTO_PROBS_MAX_PAIRS_MASKED if masked else GPU_AUTO_PROBS_MAX_PAIRS
+    pairs = bsz * q_heads * q_seq * kv_seq
+    if q_seq < GPU_AUTO_PROBS_MIN_Q_SEQ or kv_seq > AUTO_PROBS_MAX_KV_SEQ or pairs > limit:
+        return None
+    limit_name = "GPU_AUTO_PROBS_MAX_PAIRS" + ("_MASKED" if masked else "")
+    return (f"batch * q_heads * q_seq * kv_seq = {pairs} <= {limit} ({limit_name}): at this "
+            "size per-call cost decides, and probs measured faster than cuDNN on an H100 "
+            "(benchmarks/gpu_auto_table.py, docs/backends.md)")
+
+
 GPU_AUTO_SMALL_SEQ = True
 """Whether `backend="auto"` picks `small_seq` on GPU when the shapes fit (it always does on CPU).
 
@@ -184,7 +214,8 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
 
     `auto` prefers, in order: `small_seq` whenever the static shapes fit (q_seq == 1 and
     kv_seq <= 16; on GPU when `GPU_AUTO_SMALL_SEQ`); `probs` when `return_probs=True` (or, on CPU,
-    kv_seq <= `AUTO_PROBS_MAX_KV_SEQ`); `flash`; on GPU `probs` when cuDNN cannot serve
+    kv_seq <= `AUTO_PROBS_MAX_KV_SEQ`; on GPU, calls within `GPU_AUTO_PROBS_MAX_PAIRS`);
+    `flash`; on GPU `probs` when cuDNN cannot serve
     the call; and `reference` when no compiled backend can serve the call.
     """
     backend = check_backend(backend)
@@ -193,6 +224,7 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
     probs_limit = _auto_probs_max_kv_seq(platform)
     flash_no = _unavailable("flash", problem, platform, return_probs)
     probs_no = _unavailable("probs", problem, platform, return_probs)
+    gpu_rule = gpu_prefers_probs(problem) if platform == "gpu" else None
     small_no = _unavailable("small_seq", problem, platform, return_probs)
     reasons = {
         "flash": flash_no or "serves every option here; O(seq) memory",
@@ -217,27 +249,39 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
             for other, other_no in (("flash", flash_no), ("probs", probs_no)):
                 if other_no is None:
                     reasons[other] += "; not chosen: small_seq serves this shape"
-        elif probs_no is None and (return_probs or kv_seq <= probs_limit):
+        elif probs_no is None and (return_probs or kv_seq <= probs_limit or (
+                platform == "gpu" and flash_no is None and gpu_rule is not None)):
             chosen = "probs"
-            why = ("return_probs=True" if return_probs else
-                   f"kv_seq={kv_seq} <= {probs_limit} (AUTO_PROBS_MAX_KV_SEQ; it measures "
-                   f"faster than flash there)")
+            if return_probs:
+                why = "return_probs=True"
+            elif kv_seq <= probs_limit:
+                why = (f"kv_seq={kv_seq} <= {probs_limit} (AUTO_PROBS_MAX_KV_SEQ; it measures "
+                       f"faster than flash there)")
+            else:
+                why = gpu_rule
             reasons["probs"] += f"; chosen because {why}"
             if flash_no is None:
                 reasons["flash"] += (
-                    f"; not chosen: probs is preferred for kv_seq <= {probs_limit}"
+                    "; not chosen: probs is preferred for "
+                    + (f"kv_seq <= {probs_limit}" if platform != "gpu" or return_probs
+                       else "calls this small")
                 )
         elif flash_no is None:
             chosen = "flash"
             if probs_no is None:
-                faster = ("measures faster (on GPU except on tiny calls, where per-call overhead "
-                          "dominates; docs/performance.md)" if platform == "gpu"
-                          else "measures as fast for longer key sequences")
-                reasons["probs"] += (
-                    f"; not chosen: flash {faster} and needs O(seq) memory; auto uses "
-                    f"probs when return_probs=True (or kv_seq <= AUTO_PROBS_MAX_KV_SEQ = "
-                    f"{probs_limit})"
-                )
+                if platform == "gpu":
+                    reasons["probs"] += (
+                        "; not chosen: flash measures faster on GPU above "
+                        "GPU_AUTO_PROBS_MAX_PAIRS (batch * q_heads * q_seq * kv_seq; "
+                        "benchmarks/gpu_auto_table.py) and needs O(seq) memory; auto uses "
+                        "probs when return_probs=True"
+                    )
+                else:
+                    reasons["probs"] += (
+                        "; not chosen: flash measures as fast for longer key sequences and "
+                        "needs O(seq) memory; auto uses probs when return_probs=True (or "
+                        f"kv_seq <= AUTO_PROBS_MAX_KV_SEQ = {probs_limit})"
+                    )
         elif probs_no is None and platform == "gpu":
             # cuDNN cannot serve the call (float32, softcap with a bias, ...): on GPU the probs
             # backend (cuBLAS GEMMs + one fused CUDA softmax) is faster than the reference path,
