@@ -1,4 +1,5 @@
 import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -8,6 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, TypeCheckError, jax
 from ._aux import AttnAux
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
+from ._flex import attention_with_mods, choose_mods
 from ._varlen import explain_varlen
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
@@ -102,6 +104,8 @@ def attention(
     key: PRNGKeyArray | None = None,
     return_probs: bool = False,
     backend: str = "auto",
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
 ) -> tuple[Float[Array, "*batch q_seq q_heads v_dim"], AttnAux]:
     """Fused multi-head attention that returns its softmax statistics.
 
@@ -135,8 +139,15 @@ def attention(
     - `dropout_rate`: dropout on the probabilities; needs `key`.
     - `key`: a JAX PRNG key for dropout (keyword-only).
     - `return_probs`: also return the full probabilities in `aux.probs`.
-    - `backend`: `"auto"` (default), `"flash"`, `"probs"`, `"small_seq"` or `"reference"`. See
-      [`attnaux.explain`][] for what `"auto"` picks and why.
+    - `backend`: `"auto"` (default), `"flash"`, `"probs"`, `"small_seq"` or `"reference"`
+      (and `"flex"` with `score_mod`/`mask_mod`). See [`attnaux.explain`][] for what `"auto"`
+      picks and why.
+    - `score_mod`: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, a scalar function of
+      one logit (after `scale` and `softcap`) and its integer indices (`batch` indexes the
+      flattened leading dims); attnaux vectorises it. Arrays it closes over receive gradients.
+      `aux.lse` and `aux.max` are of the modified scores. See [score_mod](score_mod.md).
+    - `mask_mod`: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, True = attend; composes with
+      every other mask, and the blocks it hides entirely are skipped.
 
     **Returns:**
 
@@ -151,9 +162,20 @@ def attention(
     `ValueError` or `TypeError` naming the argument, what was expected and what came, before
     anything is traced.
     """
-    statics = call_statics(scale, causal, window, softcap, dropout_rate, return_probs, backend)
+    mods = score_mod is not None or mask_mod is not None
+    if backend == "flex" and not mods:
+        raise ValueError("backend='flex' serves calls with `score_mod` or `mask_mod`; this call "
+                         "has neither.")
+    statics = call_statics(scale, causal, window, softcap, dropout_rate, return_probs,
+                           "auto" if mods else backend)
     if key is not None:
         check_key(key)
+    if mods:
+        return attention_with_mods(
+            q, k, v, statics=statics["statics"], score_mod=score_mod, mask_mod=mask_mod,
+            bias=bias, mask=mask, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, sink=sink, key=key,
+            return_probs=statics["return_probs"], backend=backend)
     return _attention_jit(
         q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, sink, key,
         **statics,
@@ -176,6 +198,9 @@ def explain(q, k, v, **options) -> Explanation:
     options = dict(options)
     if "cu_seqlens_q" in options or "cu_seqlens_kv" in options:  # varlen_attention's arguments
         return explain_varlen(q, k, v, **options)
+    score_mod, mask_mod = options.pop("score_mod", None), options.pop("mask_mod", None)
+    if score_mod is not None or mask_mod is not None:
+        return _explain_mods(q, k, v, score_mod, mask_mod, options)
     statics = call_statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
         options.pop("softcap", None), options.pop("dropout_rate", 0.0),
@@ -192,6 +217,35 @@ def explain(q, k, v, **options) -> Explanation:
 
     def trace(q, k, v, *arrays):
         result.append(_choose(q, k, v, *arrays, **statics)[1].explanation)
+        return 0
+
+    jax.eval_shape(trace, q, k, v, *arrays)
+    return result[0]
+
+
+def _explain_mods(q, k, v, score_mod, mask_mod, options) -> Explanation:
+    """`explain` for a call with `score_mod`/`mask_mod` (the flex path)."""
+    backend = options.pop("backend", "auto")
+    statics = call_statics(
+        options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
+        options.pop("softcap", None), options.pop("dropout_rate", 0.0),
+        options.pop("return_probs", False), "auto",
+    )
+    bias, mask = options.pop("bias", None), options.pop("mask", None)
+    names = ("q_seqlens", "kv_seqlens", "q_segment_ids", "kv_segment_ids", "sink", "key")
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"explain() got unknown options {sorted(unknown)}; it takes the keyword "
+                        "arguments of attnaux.attention.")
+    arrays = [options.get(n) for n in names]
+    result: list[Explanation] = []
+
+    def trace(q, k, v, *arrays):
+        problem = canonicalize(q, k, v, statics["statics"], **dict(zip(names, arrays)))
+        chosen, _, _, _, reasons = choose_mods(problem, score_mod, mask_mod, backend, bias, mask,
+                                               statics["return_probs"])
+        result.append(Explanation(backend=chosen, implementation="JAX (XLA-compiled)",
+                                  platform=jax.default_backend(), reasons=reasons))
         return 0
 
     jax.eval_shape(trace, q, k, v, *arrays)

@@ -24,7 +24,8 @@ class AttnAux(eqx.Module):
       `None` otherwise. Float32 for float32 inputs, else the input dtype.
     - `rng_state`: `uint32[4]` (seed as 2 words, offset as 2 words) that determines the dropout
       keep-mask exactly, or `None` without dropout.
-    - `backend`: which backend ran (`"flash"`, `"probs"`, `"small_seq"` or `"reference"`); static.
+    - `backend`: which backend ran (`"flash"`, `"probs"`, `"small_seq"`, `"reference"`, or
+      `"flex"` for `score_mod`/`mask_mod`); static.
     - `dropout_impl`: which generator drew the dropout keep-mask from `rng_state`; static.
       `"attnaux"`: attnaux's documented Philox layout (the CPU kernels and `reference`);
       `"cudnn"`: cuDNN's own Philox (the GPU `flash` backend). `attnaux.introspect.dropout_mask`
@@ -41,7 +42,7 @@ class AttnAux(eqx.Module):
 
 # `jax.export` serializes the output pytree of an exported function: AttnAux's node is
 # registered under a stable name, with its static fields (`backend`, `dropout_impl`) as JSON.
-_BACKENDS = ("flash", "probs", "small_seq", "reference", "kernel")
+_BACKENDS = ("flash", "probs", "small_seq", "reference", "kernel", "flex")
 _DROPOUT_IMPLS = ("attnaux", "cudnn")
 
 

@@ -127,7 +127,7 @@ class Explanation:
     **Fields:**
 
     - `backend`: the backend that would run (`"flash"`, `"probs"`, `"small_seq"` or
-      `"reference"`).
+      `"reference"`; `"flex"` for a call with `score_mod`/`mask_mod`).
     - `implementation`: how it runs on this platform (for example `"C++ (XLA FFI, cpu)"`).
     - `platform`: the JAX platform the choice was made for (`"cpu"`, `"gpu"`, ...).
     - `reasons`: for every backend, why it was chosen or why not.

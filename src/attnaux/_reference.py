@@ -25,16 +25,23 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
 
 
 def reference_attention(
-    arrays: Canonical, options: Options, *, return_probs: bool = True
+    arrays: Canonical, options: Options, *, return_probs: bool = True, mods=None, consts=()
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Returns `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], probs [B,Hq,Sq,Skv] or None)`."""
+    """Returns `(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq], probs [B,Hq,Sq,Skv] or None)`.
+
+    `mods`, `consts`: a `score_mod`/`mask_mod` pair as `_flex.convert` makes them (applied to
+    the materialised scores after the softcap, and to the visibility)."""
     q, k, v = arrays.q, arrays.k, arrays.v
     bsz, q_seq, q_heads, _ = q.shape
     _, kv_seq, kv_heads, v_dim = v.shape
     group = q_heads // kv_heads
     compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    index = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32),
+             jnp.arange(q_seq, dtype=jnp.int32), jnp.arange(kv_seq, dtype=jnp.int32))
 
     visible = jnp.broadcast_to(visibility(arrays, options), (bsz, q_heads, q_seq, kv_seq))
+    if mods is not None and mods.mask is not None:
+        visible = visible & mods.mask(*index, *consts[mods.n_score:])
     # Zero out rows and columns that no visible pair touches, so that NaN/inf stored there (as
     # padding often is) cannot reach a product.
     row_used = visible.any(axis=-1)  # [B, Hq, Sq]
@@ -49,6 +56,9 @@ def reference_attention(
     logits = logits * options.scale
     if options.softcap > 0:
         logits = options.softcap * jnp.tanh(logits / options.softcap)
+    if mods is not None and mods.score is not None:
+        logits = jnp.where(visible, logits, 0)  # score_mod sees finite scores everywhere
+        logits = mods.score(logits, *index, *consts[:mods.n_score]).astype(compute)
     if arrays.bias is not None:
         logits = logits + jnp.where(visible, arrays.bias.astype(compute), 0)
     logits = jnp.where(visible, logits, 0)  # safe values where invisible; masked below

@@ -1,0 +1,80 @@
+"""`score_mod`/`mask_mod` (the `flex` backend) against the built-in options they spell, one run.
+
+    python benchmarks/score_mod.py                  # 1 x 2048 x 8 x 64, float32 (CPU default)
+    python benchmarks/score_mod.py --shape 4x4096x16x128 --dtype bfloat16   # on a GPU
+
+Pairs (the same math both ways): softcap via `score_mod` vs `softcap=`, causal via `mask_mod` vs
+`causal=True`, ALiBi via `score_mod` (closing over the slopes) vs a precomputed `[H, S, S]`
+`bias`, plus the materialising `reference` with the same `score_mod` (at long sequences it needs
+the `S x S` scores). Forward and forward+backward (`jax.vjp` of out), jitted, best of
+`--repeats` after a warm-up; prints ms and flex / built-in.
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+import attnaux as ax
+
+
+def best(fn, args, repeats):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1x2048x8x64")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-reference", action="store_true")
+    args = parser.parse_args()
+    b, s, h, d = map(int, args.shape.split("x"))
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, w = (jax.random.normal(kk, (b, s, h, d), dtype) for kk in keys)
+    slopes = 2.0 ** -jnp.arange(1, h + 1, dtype=jnp.float32)
+    i, j = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    pairs = {
+        "softcap": (dict(score_mod=lambda x, bb, hh, ii, jj: 30.0 * jnp.tanh(x / 30.0)),
+                    dict(softcap=30.0)),
+        "causal": (dict(mask_mod=lambda bb, hh, ii, jj: jj <= ii), dict(causal=True)),
+        "alibi": (dict(score_mod=lambda x, bb, hh, ii, jj: x + slopes[hh] * (jj - ii),
+                       causal=True),
+                  dict(bias=(slopes[:, None, None] * (j - i)[None]).astype(jnp.float32),
+                       causal=True)),
+    }
+    print(f"{jax.devices()[0].device_kind}; JAX {jax.__version__}; {args.shape} {args.dtype}")
+    print("| spelled | flex fwd / fwd+bwd ms | built-in (auto) fwd / fwd+bwd ms | flex / built-in "
+          "| reference with score_mod fwd / fwd+bwd ms |")
+    print("|---|---|---|---|---|")
+    for name, (mods, builtin) in pairs.items():
+        row = []
+        for opts in (mods, builtin, dict(mods, backend="reference")):
+            if opts.get("backend") == "reference" and args.no_reference:
+                row.append((float("nan"), float("nan")))
+                continue
+
+            def fwd(q, k, v, opts=opts):
+                return ax.attention(q, k, v, **opts)[0]
+
+            def fb(q, k, v, fwd=fwd):
+                return jax.vjp(fwd, q, k, v)[1](w)
+
+            row.append((best(jax.jit(fwd), (q, k, v), args.repeats),
+                        best(jax.jit(fb), (q, k, v), args.repeats)))
+        (ff, fb_), (bf, bfb), (rf, rfb) = row
+        print(f"| {name} | {ff * 1e3:.1f} / {fb_ * 1e3:.1f} | {bf * 1e3:.1f} / {bfb * 1e3:.1f} "
+              f"| {ff / bf:.2f}x / {fb_ / bfb:.2f}x | {rf * 1e3:.1f} / {rfb * 1e3:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""`score_mod` and `mask_mod`: attention with the scores shaped by plain JAX functions.
+
+`score_mod(score, batch, head, q_idx, kv_idx) -> score` and `mask_mod(batch, head, q_idx,
+kv_idx) -> bool` are scalar functions; attnaux vectorises them with `jax.vmap` over the four
+index axes. Captured arrays (a relative-position table, ALiBi slopes) are found by
+`jax.closure_convert` and become differentiable operands, like flex attention's captured buffers.
+The order of the score rules: `scale * q k^T`, then `softcap`, then `score_mod`, then the masks
+(lengths, causal, window, segment ids, `mask_mod`); `aux.lse` and `aux.max` are of the modified
+scores.
+
+Two backends serve them:
+
+- `flex`: blockwise online softmax in JAX, compiled by XLA on every platform (`_flex_forward`,
+  `_flex_backward`): query blocks of `BLOCK_Q` rows against key blocks of `BLOCK_K` keys, memory
+  linear in the sequence length. The (query block, key block) pairs to visit are a table built
+  once per static shape from the causal/window geometry and, where it can be evaluated at trace
+  time, from `mask_mod` itself (`block_table`, flex attention's BlockMask): hidden blocks cost
+  nothing. The backward is derived by JAX: per block, `jax.vjp` of the vectorised `score_mod` at
+  the recomputed scores, with dS = P * (dP - (D - dlse)) as its cotangent, gives the scores'
+  gradient and that block's share of the captured arrays' gradient.
+- `reference`: the scores materialised (`_reference.reference_attention` with the two functions),
+  differentiated by JAX end to end: the oracle of the tests.
+
+Not served with them (a clear error): `bias` and `mask` (a `score_mod` or `mask_mod` closing
+over the array says the same), dropout, `return_probs` on `flex`, and the compiled backends.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._canon import Canonical, Options
+from ._partition import match_vma, unify_vma, vma
+
+BLOCK_Q = 128
+BLOCK_K = 128
+BLOCK_MASK_MAX_EVALUATIONS = 2**26
+"""`mask_mod` is evaluated at every (batch, head, query, key) at trace time to find the blocks it
+hides, when that is at most this many evaluations and it captures no traced array; otherwise only
+the causal/window geometry skips blocks (`explain` says which)."""
+
+
+def vectorize_score_mod(score_mod: Callable, n_consts: int = 0) -> Callable:
+    """`f(scores [B, H, Q, K], b [B], h [H], q [Q], k [K], *consts) -> [B, H, Q, K]` from the
+    scalar `score_mod(score, b, h, q_idx, kv_idx, *consts)` (the consts are not mapped)."""
+    c = (None,) * n_consts
+    f = jax.vmap(score_mod, in_axes=(0, None, None, None, 0, *c))
+    f = jax.vmap(f, in_axes=(0, None, None, 0, None, *c))
+    f = jax.vmap(f, in_axes=(0, None, 0, None, None, *c))
+    return jax.vmap(f, in_axes=(0, 0, None, None, None, *c))
+
+
+def vectorize_mask_mod(mask_mod: Callable, n_consts: int = 0) -> Callable:
+    """`f(b [B], h [H], q [Q], k [K], *consts) -> bool[B, H, Q, K]` from the scalar
+    `mask_mod(b, h, q_idx, kv_idx, *consts)`."""
+    c = (None,) * n_consts
+    f = jax.vmap(mask_mod, in_axes=(None, None, None, 0, *c))
+    f = jax.vmap(f, in_axes=(None, None, 0, None, *c))
+    f = jax.vmap(f, in_axes=(None, 0, None, None, *c))
+    return jax.vmap(f, in_axes=(0, None, None, None, *c))
+
+
+class Mods(NamedTuple):
+    """The closure-converted functions: `score(s, b, h, qi, ki, *score_consts)` and
+    `mask(b, h, qi, ki, *mask_consts)` (vectorised), or None."""
+
+    score: Callable | None
+    n_score: int
+    mask: Callable | None
+    n_mask: int
+
+
+def convert(score_mod, mask_mod, q_heads: int):
+    """`(Mods, consts)`: the functions with their captured arrays as explicit operands (checked
+    on one example: a scalar float32 result for `score_mod`, a scalar bool for `mask_mod`)."""
+    i = jnp.zeros((), jnp.int32)
+    s = jnp.zeros((), jnp.float32)
+    score_fn = mask_fn = None
+    consts_s: list = []
+    consts_m: list = []
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"`score_mod` must be a function; got {type(score_mod).__name__}.")
+        out = jax.eval_shape(score_mod, s, i, i, i, i)
+        if getattr(out, "shape", None) != () or not jnp.issubdtype(out.dtype, jnp.floating):
+            raise ValueError(
+                "`score_mod(score, batch, head, q_idx, kv_idx)` must return one float per logit "
+                f"(a scalar); it returned {getattr(out, 'dtype', type(out))} "
+                f"{getattr(out, 'shape', '')}."
+            )
+        pure, consts_s = jax.closure_convert(score_mod, s, i, i, i, i)
+        score_fn = vectorize_score_mod(pure, len(consts_s))
+    if mask_mod is not None:
+        if not callable(mask_mod):
+            raise TypeError(f"`mask_mod` must be a function; got {type(mask_mod).__name__}.")
+        out = jax.eval_shape(mask_mod, i, i, i, i)
+        if getattr(out, "shape", None) != () or out.dtype != jnp.bool_:
+            raise ValueError(
+                "`mask_mod(batch, head, q_idx, kv_idx)` must return one bool per pair (True = "
+                f"attend); it returned {getattr(out, 'dtype', type(out))} "
+                f"{getattr(out, 'shape', '')}."
+            )
+        pure_m, consts_m = jax.closure_convert(mask_mod, i, i, i, i)
+        mask_fn = vectorize_mask_mod(pure_m, len(consts_m))
+    del q_heads
+    return (Mods(score_fn, len(consts_s), mask_fn, len(consts_m)),
+            (*consts_s, *consts_m))
+
+
+def _apply_score(mods: Mods, consts, s, b, h, qi, ki):
+    if mods.score is None:
+        return s
+    # inside `jax.shard_map` the captured arrays take the scores' varying axes (JAX would
+    # not cast them inside the vectorised function)
+    s, *c = unify_vma((s, *consts[:mods.n_score]))
+    return mods.score(s, b, h, qi, ki, *c).astype(jnp.float32)
+
+
+def _mask(mods: Mods, consts, b, h, qi, ki):
+    if mods.mask is None:
+        return None
+    return mods.mask(b, h, qi, ki, *consts[mods.n_score:])
+
+
+# ------------------------------------------------------------------------------------------------
+# The block table (flex attention's BlockMask)
+# ------------------------------------------------------------------------------------------------
+class BlockTable(NamedTuple):
+    counts: np.ndarray  # int32 [nq]: key blocks each query block visits
+    indices: np.ndarray  # int32 [nq, max(1, max count)]: which, in order (padded with 0)
+    fraction: float  # blocks visited / all blocks
+    how: str  # what decided it, for `explain`
+
+
+def _geometry_visible(options: Options, nq: int, nk: int, q_seq: int, kv_seq: int) -> np.ndarray:
+    """bool[nq, nk]: blocks the causal/window rules (without lengths) leave any pair in.
+    Bottom-right alignment with lengths can move the diagonal, so it keeps every block."""
+    keep = np.ones((nq, nk), bool)
+    if options.causal == 2 and options.has_seqlens:
+        return keep
+    offset = kv_seq - q_seq if options.causal == 2 else 0
+    q_lo = np.arange(nq) * BLOCK_Q
+    q_hi = np.minimum(q_lo + BLOCK_Q, q_seq) - 1
+    k_lo = np.arange(nk) * BLOCK_K
+    k_hi = np.minimum(k_lo + BLOCK_K, kv_seq) - 1
+    right = 0 if options.causal else options.window_right
+    if right >= 0:  # some pair with k <= q + offset + right
+        keep &= k_lo[None, :] <= q_hi[:, None] + offset + right
+    if options.window_left >= 0:  # some pair with k >= q + offset - left
+        keep &= k_hi[None, :] >= q_lo[:, None] + offset - options.window_left
+    return keep
+
+
+def block_table(mods: Mods, consts, options: Options, bsz: int, q_heads: int, q_seq: int,
+                kv_seq: int) -> BlockTable:
+    nq, nk = -(-q_seq // BLOCK_Q), -(-kv_seq // BLOCK_K)
+    keep = _geometry_visible(options, nq, nk, q_seq, kv_seq)
+    how = "the causal/window geometry"
+    if mods.mask is not None:
+        if bsz * q_heads * q_seq * kv_seq > BLOCK_MASK_MAX_EVALUATIONS:
+            how += (f"; mask_mod not evaluated ({bsz * q_heads * q_seq * kv_seq} pairs > "
+                    f"BLOCK_MASK_MAX_EVALUATIONS)")
+        else:
+            dense = None
+            try:
+                with jax.ensure_compile_time_eval():
+                    dense = np.asarray(_mask(
+                        mods, consts, jnp.arange(bsz), jnp.arange(q_heads),
+                        jnp.arange(q_seq), jnp.arange(kv_seq)))
+            except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                    jax.errors.TracerBoolConversionError,
+                    jax.errors.TracerIntegerConversionError):
+                how += "; mask_mod not evaluated (it captures traced arrays)"
+            if dense is not None:
+                any_pair = dense.any(axis=(0, 1))  # [Sq, Skv]
+                pad = np.zeros((nq * BLOCK_Q, nk * BLOCK_K), bool)
+                pad[:q_seq, :kv_seq] = any_pair
+                keep &= pad.reshape(nq, BLOCK_Q, nk, BLOCK_K).any(axis=(1, 3))
+                how += " and mask_mod (evaluated once for this shape)"
+    counts = keep.sum(axis=1).astype(np.int32)
+    indices = np.zeros((nq, max(1, int(counts.max(initial=0)))), np.int32)
+    for i in range(nq):
+        idx = np.nonzero(keep[i])[0]
+        indices[i, :idx.size] = idx
+    fraction = float(keep.sum()) / max(1, nq * nk)
+    return BlockTable(counts, indices, fraction, how)
+
+
+# ------------------------------------------------------------------------------------------------
+# Blockwise forward and backward
+# ------------------------------------------------------------------------------------------------
+class _Static(NamedTuple):
+    options: Options
+    mods: Mods
+    table: Any  # BlockTable (numpy arrays)
+    q_seq: int
+    kv_seq: int
+
+
+def _pad_seq(x, axis: int, multiple: int):
+    if x is None:
+        return None
+    n = x.shape[axis]
+    pad = -(-n // multiple) * multiple - n
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _tile(st: _Static, arrays: Canonical, consts, q0, k0, q_blk, k_blk):
+    """`(raw, modified, visible, tanh)` scores of one tile, `[B, Hq, BQ, BK]` float32: `raw`
+    after scale and softcap, `modified` after score_mod (0 where not visible)."""
+    options = st.options
+    bsz, _, kv_heads, _ = k_blk.shape
+    q_heads = q_blk.shape[2]
+    group = q_heads // kv_heads
+    qg = q_blk.reshape(bsz, BLOCK_Q, kv_heads, group, -1).astype(jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_blk.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST).reshape(bsz, q_heads, BLOCK_Q, BLOCK_K)
+    s = s * options.scale
+    th = None
+    if options.softcap > 0:
+        th = jnp.tanh(s / options.softcap)
+        s = options.softcap * th
+    qi = q0 + jnp.arange(BLOCK_Q, dtype=jnp.int32)
+    ki = k0 + jnp.arange(BLOCK_K, dtype=jnp.int32)
+    b_idx = jnp.arange(bsz, dtype=jnp.int32)
+    h_idx = jnp.arange(q_heads, dtype=jnp.int32)
+    i, j = qi[None, None, :, None], ki[None, None, None, :]
+    q_len = jnp.clip(arrays.q_seqlens, 0, st.q_seq)[:, None, None, None]
+    kv_len = jnp.clip(arrays.kv_seqlens, 0, st.kv_seq)[:, None, None, None]
+    visible = (i < q_len) & (j < kv_len)
+    offset = kv_len - q_len if options.causal == 2 else 0
+    if options.causal:
+        visible &= j <= i + offset
+    if options.window_left >= 0:
+        visible &= j >= i + offset - options.window_left
+    if options.window_right >= 0:
+        visible &= j <= i + offset + options.window_right
+    if arrays.q_segment_ids is not None:
+        qs = jax.lax.dynamic_slice_in_dim(arrays.q_segment_ids, q0, BLOCK_Q, 1)
+        ks = jax.lax.dynamic_slice_in_dim(arrays.kv_segment_ids, k0, BLOCK_K, 1)
+        visible &= qs[:, None, :, None] == ks[:, None, None, :]
+    user = _mask(st.mods, consts, b_idx, h_idx, qi, ki)
+    if user is not None:
+        visible &= user
+    visible = jnp.broadcast_to(visible, s.shape)
+    raw = jnp.where(visible, s, 0.0)  # score_mod sees finite scores everywhere
+    modified = jnp.where(visible, _apply_score(st.mods, consts, raw, b_idx, h_idx, qi, ki), 0.0)
+    return raw, modified, visible, th
+
+
+def _padded(st: _Static, arrays: Canonical):
+    q = _pad_seq(arrays.q, 1, BLOCK_Q)
+    k = _pad_seq(arrays.k, 1, BLOCK_K)
+    v = _pad_seq(arrays.v, 1, BLOCK_K)
+    qs = _pad_seq(arrays.q_segment_ids, 1, BLOCK_Q)
+    ks = _pad_seq(arrays.kv_segment_ids, 1, BLOCK_K)
+    return arrays._replace(q=q, k=k, v=v, q_segment_ids=qs, kv_segment_ids=ks)
+
+
+def _flex_forward(st: _Static, arrays: Canonical, consts):
+    """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])`, float32, without the sink."""
+    padded = _padded(st, arrays)
+    bsz, _, q_heads, _ = padded.q.shape
+    kv_heads, v_dim = padded.v.shape[2], padded.v.shape[3]
+    group = q_heads // kv_heads
+    counts = jnp.asarray(st.table.counts)
+    indices = jnp.asarray(st.table.indices)
+
+    def q_block(qb):
+        q0 = qb * BLOCK_Q
+        q_blk = jax.lax.dynamic_slice_in_dim(padded.q, q0, BLOCK_Q, 1)
+
+        def body(t, carry):
+            acc, m, total = carry
+            k0 = indices[qb, t] * BLOCK_K
+            k_blk = jax.lax.dynamic_slice_in_dim(padded.k, k0, BLOCK_K, 1)
+            v_blk = jax.lax.dynamic_slice_in_dim(padded.v, k0, BLOCK_K, 1)
+            _, s, visible, _ = _tile(st, padded, consts, q0, k0, q_blk, k_blk)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1))
+            m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
+            p = jnp.exp(jnp.where(visible, s - m_use[..., None], -jnp.inf))
+            total = total * alpha + p.sum(-1)
+            pv = jnp.einsum("bhgqk,bkhd->bqhgd",
+                            p.reshape(bsz, kv_heads, group, BLOCK_Q, BLOCK_K),
+                            v_blk.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+            pv = pv.reshape(bsz, BLOCK_Q, q_heads, v_dim)
+            acc = acc * alpha.transpose(0, 2, 1)[..., None] + pv
+            return acc, m_new, total
+
+        init = (jnp.zeros((bsz, BLOCK_Q, q_heads, v_dim), jnp.float32),
+                jnp.full((bsz, q_heads, BLOCK_Q), -jnp.inf, jnp.float32),
+                jnp.zeros((bsz, q_heads, BLOCK_Q), jnp.float32))
+        init = tuple(unify_vma((*init, q_blk))[:3])
+        acc, m, total = jax.lax.fori_loop(0, counts[qb], body, init)
+        seen = jnp.isfinite(m) & (total > 0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+        out = acc / jnp.where(seen, total, 1.0).transpose(0, 2, 1)[..., None]
+        out = jnp.where(seen.transpose(0, 2, 1)[..., None], out, 0.0)
+        return out, lse, jnp.where(seen, m, -jnp.inf)
+
+    nq = st.table.counts.shape[0]
+    out, lse, row_max = jax.lax.map(q_block, jnp.arange(nq, dtype=jnp.int32))
+    out = out.transpose(1, 0, 2, 3, 4).reshape(bsz, nq * BLOCK_Q, q_heads, v_dim)[:, :st.q_seq]
+    lse = lse.transpose(1, 2, 0, 3).reshape(bsz, q_heads, nq * BLOCK_Q)[..., :st.q_seq]
+    row_max = row_max.transpose(1, 2, 0, 3).reshape(bsz, q_heads, nq * BLOCK_Q)[..., :st.q_seq]
+    return out, lse, row_max
+
+
+def _flex_backward(st: _Static, arrays: Canonical, consts, out, lse, dout, dlse):
+    """`(dq, dk, dv, dconsts)` (float32) from the whole problem's out and lse."""
+    padded = _padded(st, arrays)
+    bsz, _, q_heads, qk_dim = padded.q.shape
+    kv_heads, v_dim = padded.v.shape[2], padded.v.shape[3]
+    group = q_heads // kv_heads
+    counts = jnp.asarray(st.table.counts)
+    indices = jnp.asarray(st.table.indices)
+    out_p = _pad_seq(out, 1, BLOCK_Q)
+    dout_p = _pad_seq(dout, 1, BLOCK_Q).astype(jnp.float32)
+    row = jnp.einsum("bqhd,bqhd->bhq", dout_p, out_p.astype(jnp.float32))
+    row_term = row - _pad_seq(dlse, 2, BLOCK_Q)  # D - dlse, [B, Hq, Sq]
+    lse_p = _pad_seq(lse, 2, BLOCK_Q)
+    lse_safe = jnp.where(jnp.isfinite(lse_p), lse_p, jnp.inf)  # rows seeing nothing: P = 0
+    n_score = st.mods.n_score
+    score_consts = consts[:n_score]
+    # only the floating captured arrays of score_mod get gradients (integer tables do not)
+    fidx = [i for i, c in enumerate(score_consts) if _float_const(c)]
+
+    def q_block(qb, carry):
+        dk, dv, dconsts = carry
+        q0 = qb * BLOCK_Q
+        q_blk = jax.lax.dynamic_slice_in_dim(padded.q, q0, BLOCK_Q, 1)
+        do_blk = jax.lax.dynamic_slice_in_dim(dout_p, q0, BLOCK_Q, 1)
+        lse_blk = jax.lax.dynamic_slice_in_dim(lse_safe, q0, BLOCK_Q, 2)
+        rt_blk = jax.lax.dynamic_slice_in_dim(row_term, q0, BLOCK_Q, 2)
+
+        def body(t, inner):
+            dq_blk, dk, dv, dconsts = inner
+            k0 = indices[qb, t] * BLOCK_K
+            k_blk = jax.lax.dynamic_slice_in_dim(padded.k, k0, BLOCK_K, 1)
+            v_blk = jax.lax.dynamic_slice_in_dim(padded.v, k0, BLOCK_K, 1)
+            raw, s, visible, th = _tile(st, padded, consts, q0, k0, q_blk, k_blk)
+            p = jnp.exp(jnp.where(visible, s - lse_blk[..., None], -jnp.inf))
+            p5 = p.reshape(bsz, kv_heads, group, BLOCK_Q, BLOCK_K)
+            do5 = do_blk.reshape(bsz, BLOCK_Q, kv_heads, group, v_dim)
+            dv_t = jnp.einsum("bhgqk,bqhgd->bkhd", p5, do5, precision=jax.lax.Precision.HIGHEST)
+            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do5, v_blk.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST).reshape(p.shape)
+            ds = jnp.where(visible, p * (dp - rt_blk[..., None]), 0.0)
+            if st.mods.score is not None:
+                b_idx = jnp.arange(bsz, dtype=jnp.int32)
+                h_idx = jnp.arange(q_heads, dtype=jnp.int32)
+                qi = q0 + jnp.arange(BLOCK_Q, dtype=jnp.int32)
+                ki = k0 + jnp.arange(BLOCK_K, dtype=jnp.int32)
+                def score(r, *floats):
+                    c = list(score_consts)
+                    for i, x in zip(fidx, floats, strict=True):
+                        c[i] = x
+                    r, *c = unify_vma((r, *c))
+                    return st.mods.score(r, b_idx, h_idx, qi, ki, *c).astype(jnp.float32)
+
+                _, vjp = jax.vjp(score, raw, *(score_consts[i] for i in fidx))
+                ds_raw, *dc = vjp(ds)
+                ds_raw = jnp.where(visible, ds_raw, 0.0)
+                dconsts = list(dconsts)
+                for i, d in zip(fidx, dc, strict=True):
+                    dconsts[i] = dconsts[i] + d.astype(jnp.float32)
+                dconsts = tuple(dconsts)
+            else:
+                ds_raw = ds
+            if th is not None:
+                ds_raw = ds_raw * (1.0 - th * th)
+            ds_raw = ds_raw * st.options.scale
+            ds5 = ds_raw.reshape(bsz, kv_heads, group, BLOCK_Q, BLOCK_K)
+            dq_blk = dq_blk + jnp.einsum("bhgqk,bkhd->bqhgd", ds5, k_blk.astype(jnp.float32),
+                                         precision=jax.lax.Precision.HIGHEST
+                                         ).reshape(dq_blk.shape)
+            dk_t = jnp.einsum("bhgqk,bqhgd->bkhd", ds5,
+                              q_blk.reshape(bsz, BLOCK_Q, kv_heads, group, qk_dim)
+                              .astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+            dk = jax.lax.dynamic_update_slice_in_dim(
+                dk, jax.lax.dynamic_slice_in_dim(dk, k0, BLOCK_K, 1) + dk_t, k0, 1)
+            dv = jax.lax.dynamic_update_slice_in_dim(
+                dv, jax.lax.dynamic_slice_in_dim(dv, k0, BLOCK_K, 1) + dv_t, k0, 1)
+            return dq_blk, dk, dv, dconsts
+
+        dq0 = unify_vma((jnp.zeros((bsz, BLOCK_Q, q_heads, qk_dim), jnp.float32), q_blk))[0]
+        dq_blk, dk, dv, dconsts = jax.lax.fori_loop(0, counts[qb], body, (dq0, dk, dv, dconsts))
+        return (dk, dv, dconsts), dq_blk
+
+    dk0 = jnp.zeros(padded.k.shape, jnp.float32)
+    dv0 = jnp.zeros(padded.v.shape, jnp.float32)
+    # A captured array's gradient has the array's varying axes: inside `jax.shard_map` the vjp
+    # of the score function sums it over the devices where the array does not vary (the
+    # transpose of its cast to the scores' axes in `score`).
+    dc0 = tuple(match_vma(jnp.zeros(jnp.shape(c), jnp.float32), vma(c)) for c in score_consts)
+    init = tuple(unify_vma((dk0, dv0, padded.q))[:2])
+    nq = st.table.counts.shape[0]
+    (dk, dv, dconsts), dq = jax.lax.scan(
+        lambda c, qb: q_block(qb, c), (*init, dc0), jnp.arange(nq, dtype=jnp.int32))
+    dq = dq.transpose(1, 0, 2, 3, 4).reshape(bsz, nq * BLOCK_Q, q_heads, qk_dim)[:, :st.q_seq]
+    return dq, dk[:, :st.kv_seq], dv[:, :st.kv_seq], dconsts
+
+
+def _float_const(c) -> bool:
+    return jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+
+
+def make_flex(st: _Static):
+    """The differentiable `(q, k, v, sink, consts) -> (out, lse, max)` of one static setting;
+    other canonical arrays (lengths, segment ids) ride along undifferentiated."""
+
+    @jax.custom_vjp
+    def flex(q, k, v, sink, consts, others):
+        return _forward(q, k, v, sink, consts, others)[0]
+
+    def _forward(q, k, v, sink, consts, others):
+        arrays = Canonical(q, k, v, None, None, *others, sink, None)
+        out, lse, row_max = _flex_forward(st, arrays, consts)
+        if sink is not None:
+            s = sink.astype(jnp.float32)[None, :, None]
+            total = jnp.logaddexp(lse, s)
+            out = out * jnp.exp(lse - total).transpose(0, 2, 1)[..., None]
+            lse = total
+        out = out.astype(q.dtype)
+        return (out, lse, row_max), (q, k, v, sink, consts, others, out, lse)
+
+    def fwd(q, k, v, sink, consts, others):
+        return _forward(q, k, v, sink, consts, others)
+
+    def bwd(res, cts):
+        q, k, v, sink, consts, others, out, lse = res
+        dout, dlse, _ = cts
+        dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(jnp.float32)
+        arrays = Canonical(q, k, v, None, None, *others, sink, None)
+        dq, dk, dv, dscore = _flex_backward(st, arrays, consts, out, lse, dout, dlse)
+        dsink = None
+        if sink is not None:
+            row = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32),
+                             out.astype(jnp.float32)) - dlse
+            dsink = (-jnp.sum(jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse) * row,
+                              axis=(0, 2))).astype(sink.dtype)
+        dconsts = []
+        for i, c in enumerate(consts):
+            if i < st.mods.n_score and _float_const(c):
+                dconsts.append(dscore[i].astype(jnp.result_type(c)))
+            elif _float_const(c):
+                dconsts.append(jnp.zeros_like(c))  # mask_mod's arrays: a mask has no gradient
+            else:
+                dconsts.append(np.zeros(jnp.shape(c), jax.dtypes.float0))
+        others_ct = tuple(None if o is None else np.zeros(o.shape, jax.dtypes.float0)
+                          for o in others)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsink,
+                tuple(dconsts), others_ct)
+
+    flex.defvjp(fwd, bwd)
+    return flex
+
+
+def run(arrays: Canonical, options: Options, mods: Mods, consts, table: BlockTable):
+    """`(out, lse, max)` of the `flex` backend."""
+    st = _Static(options, mods, table, arrays.q.shape[1], arrays.k.shape[1])
+    others = (arrays.q_seqlens, arrays.kv_seqlens, arrays.q_segment_ids, arrays.kv_segment_ids)
+    return make_flex(st)(arrays.q, arrays.k, arrays.v, arrays.sink, tuple(consts), others)
+
+
+def describe(table: BlockTable) -> str:
+    return (f"blockwise online softmax in JAX ({BLOCK_Q} x {BLOCK_K} tiles, XLA-compiled); "
+            f"computes {table.fraction:.1%} of the blocks (skipped by {table.how})")
+
+
+
+# ------------------------------------------------------------------------------------------------
+# The entry (`attnaux.attention` with score_mod or mask_mod)
+# ------------------------------------------------------------------------------------------------
+MOD_BACKENDS = ("auto", "flex", "reference")
+
+
+def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) -> str:
+    """The backend that serves a call with score_mod/mask_mod, or a ValueError saying why none."""
+    if backend not in MOD_BACKENDS:
+        raise ValueError(
+            f"`score_mod` and `mask_mod` are served by backend 'flex' (blockwise, compiled by "
+            f"XLA) or 'reference' (materialised); got backend={backend!r}."
+        )
+    if bias is not None:
+        raise ValueError("`bias` does not combine with `score_mod`/`mask_mod`: add it in the "
+                         "score_mod (`lambda s, b, h, i, j: s + bias[b, h, i, j]`, closing over "
+                         "the array, which then receives its gradient).")
+    if mask is not None:
+        raise ValueError("`mask` does not combine with `score_mod`/`mask_mod`: read it in the "
+                         "mask_mod (`lambda b, h, i, j: mask[b, h, i, j]`).")
+    if dropout_rate > 0:
+        raise ValueError("dropout is not yet served together with `score_mod`/`mask_mod` "
+                         f"(dropout_rate={dropout_rate}).")
+    if backend == "flex" and return_probs:
+        raise ValueError("backend='flex' does not save the probabilities (return_probs=True); "
+                         "use backend='reference' (materialised) or 'auto'.")
+    if backend == "auto":
+        return "reference" if return_probs else "flex"
+    return backend
+
+
+def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs):
+    """`(backend, mods, consts, table or None, reasons)` for a validated call."""
+    options = problem.options
+    chosen = _check(backend, bias, mask, options.dropout_rate, return_probs)
+    arrays = problem.arrays
+    mods, consts = convert(score_mod, mask_mod, arrays.q.shape[2])
+    bsz, q_seq, q_heads, _ = arrays.q.shape
+    table = block_table(mods, consts, options, bsz, q_heads, q_seq, arrays.k.shape[1])
+    reasons = {
+        "flex": describe(table) + ("; chosen" if chosen == "flex" else
+                                   "; not chosen: it saves no probabilities"
+                                   if return_probs else "; not chosen: asked for reference"),
+        "reference": "materialises the q_seq x kv_seq scores" + (
+            "; chosen" if chosen == "reference" else ""),
+    }
+    for name in ("flash", "probs", "small_seq"):
+        reasons[name] = "does not serve score_mod/mask_mod (yet): the flex backend does"
+    return chosen, mods, consts, table, reasons
+
+
+def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_seqlens,
+                        kv_seqlens, q_segment_ids, kv_segment_ids, sink, key, return_probs,
+                        backend):
+    from ._aux import AttnAux
+    from ._canon import canonicalize
+    from ._reference import reference_attention
+
+    problem = canonicalize(q, k, v, statics, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                           sink=sink, key=key)
+    chosen, mods, consts, table, _ = choose_mods(problem, score_mod, mask_mod, backend, bias,
+                                                 mask, return_probs)
+    arrays, options = problem.arrays, problem.options
+    probs = None
+    if chosen == "flex":
+        out, lse, row_max = run(arrays, options, mods, consts, table)
+    else:
+        out, lse, row_max, probs = reference_attention(arrays, options,
+                                                       return_probs=return_probs, mods=mods,
+                                                       consts=consts)
+    batch = problem.batch_shape
+    out = out.reshape((*batch, *out.shape[1:]))
+    lse = lse.reshape((*batch, *lse.shape[1:]))
+    row_max = jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:])))
+    if probs is not None:
+        probs = probs.reshape((*batch, *probs.shape[1:]))
+    aux = AttnAux(lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state,
+                  backend=chosen, dropout_impl="attnaux")
+    return out, aux
