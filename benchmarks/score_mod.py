@@ -5,8 +5,10 @@
 
 Pairs (the same math both ways): softcap via `score_mod` vs `softcap=`, causal via `mask_mod` vs
 `causal=True`, ALiBi via `score_mod` (closing over the slopes) vs a precomputed `[H, S, S]`
-`bias`, plus the materialising `reference` with the same `score_mod` (at long sequences it needs
-the `S x S` scores). Forward and forward+backward (`jax.vjp` of out), jitted, best of
+`bias`, a document mask via `mask_mod` vs segment ids (4 documents: the block table skips 3/4
+of the tiles; the identity `score_mod` row is the same call without the mask, the dense cost), plus
+the materialising `reference` with the same functions (it needs the `S x S` scores). Forward
+and forward+backward (`jax.vjp` of out), jitted, best of
 `--repeats` after a warm-up; prints ms and flex / built-in.
 """
 
@@ -42,6 +44,8 @@ def main():
     q, k, v, w = (jax.random.normal(kk, (b, s, h, d), dtype) for kk in keys)
     slopes = 2.0 ** -jnp.arange(1, h + 1, dtype=jnp.float32)
     i, j = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    doc = jnp.arange(s) // (s // 4)  # 4 documents
+    seg = jnp.broadcast_to(doc, (b, s))
     pairs = {
         "softcap": (dict(score_mod=lambda x, bb, hh, ii, jj: 30.0 * jnp.tanh(x / 30.0)),
                     dict(softcap=30.0)),
@@ -50,6 +54,11 @@ def main():
                        causal=True),
                   dict(bias=(slopes[:, None, None] * (j - i)[None]).astype(jnp.float32),
                        causal=True)),
+        # block sparsity: 4 documents, so flex visits a quarter of the tiles (explain says)
+        "document mask": (dict(mask_mod=lambda bb, hh, ii, jj: doc[ii] == doc[jj]),
+                          dict(q_segment_ids=seg, kv_segment_ids=seg)),
+        "no mask (dense, for the document row)": (dict(score_mod=lambda x, bb, hh, ii, jj: x),
+                                                  dict()),
     }
     print(f"{jax.devices()[0].device_kind}; JAX {jax.__version__}; {args.shape} {args.dtype}")
     print("| spelled | flex fwd / fwd+bwd ms | built-in (auto) fwd / fwd+bwd ms | flex / built-in "

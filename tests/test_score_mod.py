@@ -61,6 +61,10 @@ CASES = {
     "softcap_lengths_sink": lambda p: dict(
         softcap=5.0, q_seqlens=jnp.asarray([200, 131]), kv_seqlens=jnp.asarray([97, 200]),
         sink=p["slopes"], score_mod=lambda s, b, h, i, j: s + p["rel"][j]),
+    "prefix_lm_sliding_window_sink": lambda p: dict(
+        sink=p["slopes"],
+        mask_mod=lambda b, h, i, j: (j < 32) | ((j <= i) & (i - j < 64)),
+        score_mod=lambda s, b, h, i, j: s * jnp.tanh(p["slopes"][h] * 4.0)),  # a tanh gate
     "segments_bottom_right_head_mask": lambda p: dict(
         causal="bottom_right", q_segment_ids=jnp.repeat(jnp.arange(4), 50)[None].repeat(B, 0),
         mask_mod=lambda b, h, i, j: (h != 1) | (j % 3 != 0),
@@ -113,7 +117,11 @@ def test_builtin_options_spelled_as_functions(backend):
             _close(g, r, 1e-4, f"{n}, {what}")
 
 
-def test_block_skipping_and_explain():
+def test_block_skipping_and_explain(monkeypatch):
+    from attnaux import _flex
+
+    monkeypatch.setattr(_flex, "BLOCK_Q", 128)  # fine tiles, to count what they skip
+    monkeypatch.setattr(_flex, "BLOCK_K", 128)
     q, k, v, _, _ = _inputs(2, s=1024)
     e = ax.explain(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
     assert e.backend == "flex" and "56.2% of the blocks" in e.reasons["flex"], str(e)
