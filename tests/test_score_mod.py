@@ -167,6 +167,11 @@ def test_bad_input_says_what_is_wrong():
         ax.attention(q, k, v, bias=jnp.zeros((32, 32)), score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(ValueError, match="one float per logit"):
         ax.attention(q, k, v, score_mod=lambda s, b, h, i, j: jnp.stack([s, s]))
+    def branchy(s, b, h, i, j):
+        return s if i > j else -s  # Python control flow on a traced index
+
+    with pytest.raises(ValueError, match="`score_mod` could not be traced"):
+        ax.attention(q, k, v, score_mod=branchy)
     with pytest.raises(ValueError, match="one bool per pair"):
         ax.attention(q, k, v, mask_mod=lambda b, h, i, j: (j - i).astype(jnp.float32))
     with pytest.raises(ValueError, match="dropout"):

@@ -97,9 +97,9 @@ call is traced (it keys the call's `Config`)."""
 FOLD_TARGET = "attnaux_fold_lse"
 FOLD_WITH_KERNEL = True
 """Whether the fold runs as attnaux's CUDA kernel `attnaux_fold_lse` (csrc/cuda/fold_lse.cu: one
-pass that reads O and dO once and writes O', dO' in place) where it is built, or as the XLA
-fusion of `fold_lse_cotangent` (two reads of O and dO, O' and dO' both written). Read when a
-call is traced, like `FOLD_LSE_COTANGENT`."""
+pass that reads O and dO once and writes O'; dO' aliases dO, only its rare rows with dO = 0
+rewritten) where it is built, or as the XLA fusion of `fold_lse_cotangent` (two reads of O and
+dO, O' and dO' both written). Read when a call is traced, like `FOLD_LSE_COTANGENT`."""
 
 _SOFTCAP_BIAS_WHY = (
     "the cuDNN path does not serve softcap together with a bias: cuDNN 9.19's fused backward "

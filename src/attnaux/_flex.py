@@ -82,7 +82,21 @@ class Mods(NamedTuple):
     n_mask: int
 
 
-def convert(score_mod, mask_mod, q_heads: int):
+def _trace(name: str, fn: Callable, *args):
+    """The abstract result of `fn` on scalar arguments, or a ValueError naming the function."""
+    try:
+        return jax.eval_shape(fn, *args)
+    except Exception as error:  # any failure to trace: say which function and why
+        kinds = "a float32 score and four int32 indices" if name == "score_mod" else (
+            "four int32 indices")
+        raise ValueError(
+            f"`{name}` could not be traced on scalars ({kinds}; attnaux vectorises it with "
+            f"jax.vmap, so it must be a traceable JAX function of scalars): "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def convert(score_mod, mask_mod):
     """`(Mods, consts)`: the functions with their captured arrays as explicit operands (checked
     on one example: a scalar float32 result for `score_mod`, a scalar bool for `mask_mod`)."""
     i = jnp.zeros((), jnp.int32)
@@ -93,7 +107,7 @@ def convert(score_mod, mask_mod, q_heads: int):
     if score_mod is not None:
         if not callable(score_mod):
             raise TypeError(f"`score_mod` must be a function; got {type(score_mod).__name__}.")
-        out = jax.eval_shape(score_mod, s, i, i, i, i)
+        out = _trace("score_mod", score_mod, s, i, i, i, i)
         if getattr(out, "shape", None) != () or not jnp.issubdtype(out.dtype, jnp.floating):
             raise ValueError(
                 "`score_mod(score, batch, head, q_idx, kv_idx)` must return one float per logit "
@@ -105,7 +119,7 @@ def convert(score_mod, mask_mod, q_heads: int):
     if mask_mod is not None:
         if not callable(mask_mod):
             raise TypeError(f"`mask_mod` must be a function; got {type(mask_mod).__name__}.")
-        out = jax.eval_shape(mask_mod, i, i, i, i)
+        out = _trace("mask_mod", mask_mod, i, i, i, i)
         if getattr(out, "shape", None) != () or out.dtype != jnp.bool_:
             raise ValueError(
                 "`mask_mod(batch, head, q_idx, kv_idx)` must return one bool per pair (True = "
@@ -114,7 +128,6 @@ def convert(score_mod, mask_mod, q_heads: int):
             )
         pure_m, consts_m = jax.closure_convert(mask_mod, i, i, i, i)
         mask_fn = vectorize_mask_mod(pure_m, len(consts_m))
-    del q_heads
     return (Mods(score_fn, len(consts_s), mask_fn, len(consts_m)),
             (*consts_s, *consts_m))
 
@@ -528,7 +541,7 @@ def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
     options = problem.options
     chosen = _check(backend, bias, mask, options.dropout_rate, return_probs)
     arrays = problem.arrays
-    mods, consts = convert(score_mod, mask_mod, arrays.q.shape[2])
+    mods, consts = convert(score_mod, mask_mod)
     bsz, q_seq, q_heads, _ = arrays.q.shape
     table = block_table(mods, consts, options, bsz, q_heads, q_seq, arrays.k.shape[1])
     reasons = {
