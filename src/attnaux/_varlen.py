@@ -222,6 +222,28 @@ def _prepare(q, k, v, options: dict):
     return cu_q, cu_kv, sink, key, dict(statics, max_seqlen_q=max_q, max_seqlen_kv=max_kv)
 
 
+def _varlen_mods(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
+                 return_probs, backend, score_mod, mask_mod):
+    """`varlen_attention` with `score_mod`/`mask_mod`: the sequences padded to `[num_seqs,
+    max_seqlen]` (so the functions see the sequence as `batch` and positions within it as
+    `q_idx`/`kv_idx`), the flex (or reference) backend, and the rows gathered back."""
+    from ._flex import attention_with_mods
+
+    pq = _packing(cu_q, q.shape[0], max_seqlen_q)
+    pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
+    out_pad, aux = attention_with_mods(
+        _padded(q, pq, max_seqlen_q), _padded(k, pk, max_seqlen_kv),
+        _padded(v, pk, max_seqlen_kv), statics=statics, score_mod=score_mod, mask_mod=mask_mod,
+        bias=None, mask=None, q_seqlens=pq.lengths, kv_seqlens=pk.lengths, q_segment_ids=None,
+        kv_segment_ids=None, sink=sink, key=key, return_probs=return_probs, backend=backend)
+    hidden = ~pq.covered[None, :]
+    out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
+    lse = jnp.where(hidden, -jnp.inf, aux.lse[pq.seq, :, pq.pos].T)
+    row_max = jnp.where(hidden, -jnp.inf, aux.max[pq.seq, :, pq.pos].T)
+    return out, AttnAux(lse=lse, max=row_max, probs=aux.probs, rng_state=aux.rng_state,
+                        backend=aux.backend, dropout_impl=aux.dropout_impl)
+
+
 def varlen_attention(q, k, v, **options) -> tuple[jax.Array, AttnAux]:
     """Attention within each of the sequences packed into `q`, `k` and `v`, with its statistics.
 
@@ -242,6 +264,9 @@ def varlen_attention(q, k, v, **options) -> tuple[jax.Array, AttnAux]:
     - `scale`, `causal` (`True`/`"top_left"` or `"bottom_right"`, per sequence), `window`,
       `softcap`, `sink`, `dropout_rate`, `key`, `return_probs`, `backend`: as in
       [`attnaux.attention`][].
+    - `score_mod`, `mask_mod`: as in [`attnaux.attention`][], with `batch` the sequence's index
+      and `q_idx`, `kv_idx` positions within the sequence (the `flex` backend on the sequences
+      padded to `max_seqlen`).
 
     **Returns:**
 
@@ -257,17 +282,59 @@ def varlen_attention(q, k, v, **options) -> tuple[jax.Array, AttnAux]:
     arguments says which backend runs and whether the sequences are read in place (GPU `flash`:
     cuDNN's ragged layout) or padded per sequence.
     """
+    options = dict(options)
+    score_mod, mask_mod = options.pop("score_mod", None), options.pop("mask_mod", None)
+    backend = options.get("backend", "auto")
+    if score_mod is not None or mask_mod is not None:
+        options["backend"] = "auto"  # checked by the flex entry instead
     cu_q, cu_kv, sink, key, statics = _prepare(q, k, v, options)
+    if score_mod is not None or mask_mod is not None:
+        return _varlen_mods(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), sink, key,
+                            statics=statics["statics"], max_seqlen_q=statics["max_seqlen_q"],
+                            max_seqlen_kv=statics["max_seqlen_kv"],
+                            return_probs=statics["return_probs"], backend=backend,
+                            score_mod=score_mod, mask_mod=mask_mod)
     return _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, **statics)
 
 
 def explain_varlen(q, k, v, **options) -> Explanation:
     """`explain` for `varlen_attention`'s arguments (called by `attnaux.explain`)."""
+    options = dict(options)
+    score_mod, mask_mod = options.pop("score_mod", None), options.pop("mask_mod", None)
+    if score_mod is not None or mask_mod is not None:
+        return _explain_varlen_mods(q, k, v, options, score_mod, mask_mod)
     cu_q, cu_kv, sink, key, statics = _prepare(q, k, v, options)
     result: list[Explanation] = []
 
     def trace(q, k, v, cu_q, cu_kv, sink, key):
         result.append(_plan(q, k, v, cu_q, cu_kv, sink, key, **statics)[3])
+        return 0
+
+    jax.eval_shape(trace, q, k, v, cu_q, cu_kv, sink, key)
+    return result[0]
+
+
+def _explain_varlen_mods(q, k, v, options, score_mod, mask_mod) -> Explanation:
+    from ._flex import choose_mods
+
+    backend = options.get("backend", "auto")
+    options["backend"] = "auto"
+    cu_q, cu_kv, sink, key, statics = _prepare(q, k, v, options)
+    result: list[Explanation] = []
+
+    def trace(q, k, v, cu_q, cu_kv, sink, key):
+        pq = _packing(cu_q, q.shape[0], statics["max_seqlen_q"])
+        pk = _packing(cu_kv, k.shape[0], statics["max_seqlen_kv"])
+        problem = canonicalize(
+            _padded(q, pq, statics["max_seqlen_q"]), _padded(k, pk, statics["max_seqlen_kv"]),
+            _padded(v, pk, statics["max_seqlen_kv"]), statics["statics"],
+            q_seqlens=pq.lengths, kv_seqlens=pk.lengths, sink=sink, key=key)
+        chosen, _, _, _, reasons = choose_mods(problem, score_mod, mask_mod, backend, None, None,
+                                               statics["return_probs"])
+        result.append(Explanation(
+            backend=chosen, implementation="JAX (XLA-compiled)", platform=jax.default_backend(),
+            reasons=reasons, packed="padded to [num_seqs, max_seqlen] with per-sequence lengths "
+            "(score_mod/mask_mod see the sequence as batch and positions within it)"))
         return 0
 
     jax.eval_shape(trace, q, k, v, cu_q, cu_kv, sink, key)
