@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._canon import Canonical, Options
+from ._masking import visibility
 from ._partition import match_vma, unify_vma, vma
 
 BLOCK_Q = 512
@@ -258,21 +259,14 @@ def _tile(st: _Static, arrays: Canonical, consts, q0, k0, q_blk, k_blk):
     ki = k0 + jnp.arange(bk, dtype=jnp.int32)
     b_idx = jnp.arange(bsz, dtype=jnp.int32)
     h_idx = jnp.arange(q_heads, dtype=jnp.int32)
-    i, j = qi[None, None, :, None], ki[None, None, None, :]
-    q_len = jnp.clip(arrays.q_seqlens, 0, st.q_seq)[:, None, None, None]
-    kv_len = jnp.clip(arrays.kv_seqlens, 0, st.kv_seq)[:, None, None, None]
-    visible = (i < q_len) & (j < kv_len)
-    offset = kv_len - q_len if options.causal == 2 else 0
-    if options.causal:
-        visible &= j <= i + offset
-    if options.window_left >= 0:
-        visible &= j >= i + offset - options.window_left
-    if options.window_right >= 0:
-        visible &= j <= i + offset + options.window_right
+    tile = arrays._replace(q=q_blk, k=k_blk)
     if arrays.q_segment_ids is not None:
-        qs = jax.lax.dynamic_slice_in_dim(arrays.q_segment_ids, q0, bq, 1)
-        ks = jax.lax.dynamic_slice_in_dim(arrays.kv_segment_ids, k0, bk, 1)
-        visible &= qs[:, None, :, None] == ks[:, None, None, :]
+        tile = tile._replace(
+            q_segment_ids=jax.lax.dynamic_slice_in_dim(arrays.q_segment_ids, q0, bq, 1),
+            kv_segment_ids=jax.lax.dynamic_slice_in_dim(arrays.kv_segment_ids, k0, bk, 1))
+    # the rules of docs/kernel_abi.md at the tile's global positions (lengths, causal, window,
+    # segment ids), then mask_mod
+    visible = visibility(tile, options, keys=ki, kv_seq=st.kv_seq, queries=qi, q_seq=st.q_seq)
     user = _mask(st.mods, consts, b_idx, h_idx, qi, ki)
     if user is not None:
         visible &= user

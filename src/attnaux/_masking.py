@@ -23,20 +23,25 @@ Options = Any  # `_canon.Options`: its static options
 
 
 def visibility(
-    arrays: Canonical, options: Options, keys: jax.Array | None = None, kv_seq: int | None = None
+    arrays: Canonical, options: Options, keys: jax.Array | None = None, kv_seq: int | None = None,
+    queries: jax.Array | None = None, q_seq: int | None = None,
 ) -> jax.Array:
-    """`bool[B, Hq or 1, Sq, n]`: which key each query row may attend to.
+    """`bool[B, Hq or 1, m, n]`: which key each query row may attend to.
 
     With `keys` (`int[n]` key positions) only those columns are computed; `arrays.mask` and
     `arrays.kv_segment_ids` must then already be sliced to them (a broadcast key dimension of
-    the mask may stay 1), and `kv_seq` gives the full key length. This is the one definition of
-    the masking rules of `docs/kernel_abi.md` in Python.
+    the mask may stay 1), and `kv_seq` gives the full key length. `queries` (`int[m]`) and
+    `q_seq` do the same for the rows (`arrays.q_segment_ids` sliced to them). This is the one
+    definition of the masking rules of `docs/kernel_abi.md` in Python.
     """
-    bsz, q_seq, _, _ = arrays.q.shape
+    bsz = arrays.q.shape[0]
+    q_seq = arrays.q.shape[1] if q_seq is None else q_seq
     kv_seq = arrays.k.shape[1] if kv_seq is None else kv_seq
     if keys is None:
         keys = jnp.arange(kv_seq, dtype=jnp.int32)
-    i = jnp.arange(q_seq, dtype=jnp.int32)[None, None, :, None]
+    if queries is None:
+        queries = jnp.arange(q_seq, dtype=jnp.int32)
+    i = queries.astype(jnp.int32)[None, None, :, None]
     j = keys.astype(jnp.int32)[None, None, None, :]
     q_len = jnp.clip(arrays.q_seqlens, 0, q_seq)[:, None, None, None]
     kv_len = jnp.clip(arrays.kv_seqlens, 0, kv_seq)[:, None, None, None]
@@ -55,7 +60,7 @@ def visibility(
         visible &= (
             arrays.q_segment_ids[:, None, :, None] == arrays.kv_segment_ids[:, None, None, :]
         )
-    return jnp.broadcast_to(visible, (bsz, visible.shape[1], q_seq, j.shape[-1]))
+    return jnp.broadcast_to(visible, (bsz, visible.shape[1], i.shape[2], j.shape[-1]))
 
 
 def diagonal_shift(arrays: Canonical) -> jax.Array | int:
