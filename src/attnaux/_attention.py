@@ -6,7 +6,7 @@ import numpy as np
 from beartype import BeartypeConf, beartype
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, TypeCheckError, jaxtyped
 
-from ._aux import AttnAux
+from ._aux import AttnAux, unflatten
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
 from ._flex import attention_with_mods, choose_mods
@@ -43,17 +43,9 @@ def _attention_jit(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids, kv
                               return_probs=return_probs, backend=backend)
     arrays, options = problem.arrays, problem.options
     out, lse, row_max, probs = choice.implementation.module.run(arrays, options, return_probs)
-    batch = problem.batch_shape
-    out = out.reshape((*batch, *out.shape[1:]))
-    lse = lse.reshape((*batch, *lse.shape[1:]))
-    row_max = jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:])))
-    if probs is not None:
-        probs = probs.reshape((*batch, *probs.shape[1:]))
-    aux = AttnAux(
-        lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state,
-        backend=choice.explanation.backend, dropout_impl=choice.explanation.dropout_impl,
-    )
-    return out, aux
+    return unflatten(problem.batch_shape, out, lse, row_max, probs, arrays.rng_state,
+                     backend=choice.explanation.backend,
+                     dropout_impl=choice.explanation.dropout_impl)
 
 
 def _short_errors_first(typed):

@@ -40,6 +40,19 @@ class AttnAux(eqx.Module):
     dropout_impl: str = eqx.field(static=True, default="attnaux")
 
 
+def unflatten(batch_shape, out, lse, row_max, probs, rng_state, backend: str,
+              dropout_impl: str):
+    """`(out, AttnAux)` of a call on the canonical `[B, ...]` results, the leading batch dim
+    unflattened to `batch_shape`; `max` carries no gradient."""
+    def shaped(x):
+        return x.reshape((*batch_shape, *x.shape[1:]))
+
+    aux = AttnAux(lse=shaped(lse), max=jax.lax.stop_gradient(shaped(row_max)),
+                  probs=None if probs is None else shaped(probs), rng_state=rng_state,
+                  backend=backend, dropout_impl=dropout_impl)
+    return shaped(out), aux
+
+
 # `jax.export` serializes the output pytree of an exported function: AttnAux's node is
 # registered under a stable name, with its static fields (`backend`, `dropout_impl`) as JSON.
 _BACKENDS = ("flash", "probs", "small_seq", "reference", "kernel", "flex")

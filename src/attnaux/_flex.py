@@ -553,7 +553,7 @@ def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
 def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_seqlens,
                         kv_seqlens, q_segment_ids, kv_segment_ids, sink, key, return_probs,
                         backend):
-    from ._aux import AttnAux
+    from ._aux import unflatten
     from ._canon import canonicalize
     from ._reference import reference_attention
 
@@ -570,12 +570,5 @@ def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_
         out, lse, row_max, probs = reference_attention(arrays, options,
                                                        return_probs=return_probs, mods=mods,
                                                        consts=consts)
-    batch = problem.batch_shape
-    out = out.reshape((*batch, *out.shape[1:]))
-    lse = lse.reshape((*batch, *lse.shape[1:]))
-    row_max = jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:])))
-    if probs is not None:
-        probs = probs.reshape((*batch, *probs.shape[1:]))
-    aux = AttnAux(lse=lse, max=row_max, probs=probs, rng_state=arrays.rng_state,
-                  backend=chosen, dropout_impl="attnaux")
-    return out, aux
+    return unflatten(problem.batch_shape, out, lse, row_max, probs, arrays.rng_state,
+                     backend=chosen, dropout_impl="attnaux")
