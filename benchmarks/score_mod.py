@@ -1,4 +1,5 @@
-"""`score_mod`/`mask_mod` (the `flex` backend) against the built-in options they spell, one run.
+"""`score_mod`/`mask_mod` (`auto`: the C++ kernels' score programs on CPU, `flex` elsewhere; and
+`flex` itself) against the built-in options they spell, one run.
 
     python benchmarks/score_mod.py                  # 1 x 2048 x 8 x 64, float32 (CPU default)
     python benchmarks/score_mod.py --shape 4x4096x16x128 --dtype bfloat16   # on a GPU
@@ -8,8 +9,8 @@ Pairs (the same math both ways): softcap via `score_mod` vs `softcap=`, causal v
 `bias`, a document mask via `mask_mod` vs segment ids (4 documents: the block table skips 3/4
 of the tiles; the identity `score_mod` row is the same call without the mask, the dense cost), plus
 the materialising `reference` with the same functions (it needs the `S x S` scores). Forward
-and forward+backward (`jax.vjp` of out), jitted, best of
-`--repeats` after a warm-up; prints ms and flex / built-in.
+and forward+backward (`jax.vjp` of out), jitted, best of `--repeats` after a warm-up; prints ms
+and the ratios to the built-in option (`--no-flex` leaves the flex column out).
 """
 
 import argparse
@@ -37,6 +38,7 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--no-flex", action="store_true")
     args = parser.parse_args()
     b, s, h, d = map(int, args.shape.split("x"))
     dtype = jnp.dtype(args.dtype)
@@ -61,14 +63,17 @@ def main():
                                                   dict()),
     }
     print(f"{jax.devices()[0].device_kind}; JAX {jax.__version__}; {args.shape} {args.dtype}")
-    print("| spelled | flex fwd / fwd+bwd ms | built-in (auto) fwd / fwd+bwd ms | flex / built-in "
-          "| reference with score_mod fwd / fwd+bwd ms |")
-    print("|---|---|---|---|---|")
+    print("| spelled | auto with functions (backend) fwd / fwd+bwd ms | flex fwd / fwd+bwd ms | "
+          "built-in fwd / fwd+bwd ms | auto / built-in | flex / built-in | reference with the "
+          "functions fwd / fwd+bwd ms |")
+    print("|---|---|---|---|---|---|---|")
+    nan = (float("nan"), float("nan"))
     for name, (mods, builtin) in pairs.items():
         row = []
-        for opts in (mods, builtin, dict(mods, backend="reference")):
-            if opts.get("backend") == "reference" and args.no_reference:
-                row.append((float("nan"), float("nan")))
+        runs = (mods, dict(mods, backend="flex"), builtin, dict(mods, backend="reference"))
+        for n, opts in enumerate(runs):
+            if (n == 3 and args.no_reference) or (n == 1 and args.no_flex):
+                row.append(nan)
                 continue
 
             def fwd(q, k, v, opts=opts):
@@ -79,10 +84,12 @@ def main():
 
             row.append((best(jax.jit(fwd), (q, k, v), args.repeats),
                         best(jax.jit(fb), (q, k, v), args.repeats)))
-        (ff, fb_), (bf, bfb), (rf, rfb) = row
-        print(f"| {name} | {ff * 1e3:.1f} / {fb_ * 1e3:.1f} | {bf * 1e3:.1f} / {bfb * 1e3:.1f} "
-              f"| {ff / bf:.2f}x / {fb_ / bfb:.2f}x | {rf * 1e3:.1f} / {rfb * 1e3:.1f} |",
-              flush=True)
+        chosen = ax.explain(q, k, v, **mods).backend
+        (af, ab), (xf, xb), (bf, bb), (rf, rb) = row
+        print(f"| {name} | {af * 1e3:.1f} / {ab * 1e3:.1f} ({chosen}) | {xf * 1e3:.1f} / "
+              f"{xb * 1e3:.1f} | {bf * 1e3:.1f} / {bb * 1e3:.1f} | {af / bf:.2f}x / "
+              f"{ab / bb:.2f}x | {xf / bf:.2f}x / {xb / bb:.2f}x | {rf * 1e3:.1f} / "
+              f"{rb * 1e3:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

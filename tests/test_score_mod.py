@@ -1,5 +1,6 @@
-"""`score_mod` and `mask_mod` (`_flex.py`): the blockwise `flex` backend against the materialised
-`reference` with the same functions, and both against attnaux's built-in options spelled as
+"""`score_mod` and `mask_mod` (`_mods.py`): the C++ kernels' score programs (`flash`, CPU) and the
+blockwise `flex` backend against the materialised `reference` with the same functions, and all
+against attnaux's built-in options spelled as
 functions (softcap, causal, a precomputed ALiBi bias, segment ids), which the reference computes
 by an independent path. float32 throughout; tolerances: 2e-5 relative to the largest entry for
 outputs and statistics, 1e-4 for gradients (the blockwise sums run in another order)."""
@@ -72,12 +73,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["flash", "flex"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_flex_matches_the_materialised_reference(name):
+def test_backends_match_the_materialised_reference(name, backend):
     q, k, v, w, u = _inputs()
     params = _alibi_table()
     make = CASES[name]
-    (out, lse, mx), grads = _run(q, k, v, w, u, params, make, "flex")
+    (out, lse, mx), grads = _run(q, k, v, w, u, params, make, backend)
     (r_out, r_lse, r_mx), r_grads = _run(q, k, v, w, u, params, make, "reference")
     _close(out, r_out, 2e-5, "out")
     _close(lse, r_lse, 2e-5, "lse")
@@ -89,7 +91,8 @@ def test_flex_matches_the_materialised_reference(name):
     assert float(jnp.abs(r_grads[3]["slopes"]).max()) > 0  # the captured arrays matter here
 
 
-@pytest.mark.parametrize("backend", ["flex", pytest.param("reference", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["flash", "flex",
+                                     pytest.param("reference", marks=pytest.mark.slow)])
 def test_builtin_options_spelled_as_functions(backend):
     """Each spelling against the built-in option, through the reference without functions."""
     q, k, v, w, u = _inputs(1)
@@ -124,18 +127,25 @@ def test_block_skipping_and_explain(monkeypatch):
     monkeypatch.setattr(_flex, "BLOCK_K", 128)
     q, k, v, _, _ = _inputs(2, s=1024)
     e = ax.explain(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
-    assert e.backend == "flex" and "56.2% of the blocks" in e.reasons["flex"], str(e)
-    # 8 x 8 blocks of 128: causal visits 36 of them; documents of 256 tokens 4 groups of 2 x 2
+    # flex: 8 x 8 blocks of 128, causal visits 36 of them; the kernels: 136 of 16 x 16 tiles
+    assert e.backend == "flash" and "56.2% of the blocks" in e.reasons["flex"], str(e)
+    assert "keeps 53.1% of the 64 x 64 tiles" in e.reasons["flash"], str(e)
+    # documents of 256 tokens: 4 groups of 2 x 2 blocks (of 4 x 4 tiles)
     doc = jnp.arange(1024) // 256
     e = ax.explain(q, k, v, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
     assert "25.0% of the blocks" in e.reasons["flex"], str(e)
+    assert "keeps 25.0% of the 64 x 64 tiles" in e.reasons["flash"], str(e)
     # a mask_mod closing over a traced array cannot be evaluated at trace time: no skipping by it
     def traced(doc):
         return ax.explain(q, k, v, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
     reasons = []
-    jax.eval_shape(lambda d: reasons.append(traced(d).reasons["flex"]) or 0, doc)
-    assert "100.0% of the blocks" in reasons[0] and "traced" in reasons[0]
+    jax.eval_shape(lambda d: reasons.append(traced(d).reasons) or 0, doc)
+    assert "100.0% of the blocks" in reasons[0]["flex"] and "traced" in reasons[0]["flex"]
+    assert "traced" in reasons[0]["flash"] and "no tile skipped" in reasons[0]["flash"]
     out, aux = ax.attention(q[:, :256], k[:, :256], v[:, :256],
+                            mask_mod=lambda b, h, i, j: j <= i)
+    assert aux.backend == "flash"
+    out, aux = ax.attention(q[:, :256], k[:, :256], v[:, :256], backend="flex",
                             mask_mod=lambda b, h, i, j: j <= i)
     assert aux.backend == "flex"
 
@@ -155,14 +165,35 @@ def test_under_jit_and_vmap_with_a_traced_captured_array():
     _close(aux.lse, r_aux.lse, 2e-5, "lse")
     per_row = jax.vmap(lambda q, k, v: f(q, k, v, rel)[0])(q, k, v)  # unbatched rows
     _close(per_row, r_out, 2e-5, "vmap out")
+    # a function of the batch index under vmap: each mapped call's own batch index (the compiled
+    # kernels then map the elements one after another instead of folding them into one batch)
+    def g(q, k, v):
+        return ax.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * (1.0 + b))[0]
+
+    stacked = jnp.stack([q, 2 * q]), jnp.stack([k, k]), jnp.stack([v, -v])
+    mapped = jax.jit(jax.vmap(g))(*stacked)
+    for n in range(2):
+        _close(mapped[n], g(*(x[n] for x in stacked)), 2e-5, f"vmap with the batch index, {n}")
 
 
 def test_bad_input_says_what_is_wrong():
     q, k, v, _, _ = _inputs(6, s=32)
     with pytest.raises(ValueError, match="backend='flex' serves calls with"):
         ax.attention(q, k, v, backend="flex")
-    with pytest.raises(ValueError, match="'flex'.*'reference'.*got backend='flash'"):
-        ax.attention(q, k, v, backend="flash", mask_mod=lambda b, h, i, j: j <= i)
+    with pytest.raises(ValueError, match="'flash'.*'flex'.*'reference'.*got backend='probs'"):
+        ax.attention(q, k, v, backend="probs", mask_mod=lambda b, h, i, j: j <= i)
+    # a function outside what the kernels translate: flex serves it under auto (explain says
+    # which operation stopped the translation); an explicit flash raises
+    def wavy(s, b, h, i, j):
+        return s + jnp.cos(i - j)
+
+    with pytest.raises(ValueError, match="backend='flash' cannot serve.*`score_mod` uses `cos`"):
+        ax.attention(q, k, v, backend="flash", score_mod=wavy)
+    e = ax.explain(q, k, v, score_mod=wavy)
+    assert e.backend == "flex" and "`cos`" in e.reasons["flash"], str(e)
+    with pytest.raises(ValueError, match="backend='flash' does not save the probabilities"):
+        ax.attention(q, k, v, backend="flash", mask_mod=lambda b, h, i, j: j <= i,
+                     return_probs=True)
     with pytest.raises(ValueError, match="`bias` does not combine"):
         ax.attention(q, k, v, bias=jnp.zeros((32, 32)), score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(ValueError, match="one float per logit"):
@@ -182,7 +213,8 @@ def test_bad_input_says_what_is_wrong():
 
 
 def test_export_round_trip():
-    """jax.export of a call with score_mod (the aux's `flex` backend serialises)."""
+    """jax.export of a call with score_mod (the C++ kernels' score program: its attributes
+    serialise), against the materialised reference."""
     q, k, v, _, _ = _inputs(7, s=64)
     rel = jax.random.normal(jax.random.key(8), (128,))
 
@@ -193,13 +225,15 @@ def test_export_round_trip():
     exported = jax.export.export(jax.jit(f))(q, k, v, rel)
     restored = jax.export.deserialize(exported.serialize())
     out, aux = restored.call(q, k, v, rel)
-    want, want_aux = f(q, k, v, rel)
-    assert aux.backend == "flex"
-    _close(out, want, 1e-6, "out")
-    _close(aux.lse, want_aux.lse, 1e-6, "lse")
+    want, want_aux = ax.attention(q, k, v, causal=True, backend="reference",
+                                  score_mod=lambda s, b, h, i, j: s + rel[i - j + 64])
+    assert aux.backend == "flash"
+    _close(out, want, 2e-5, "out")
+    _close(aux.lse, want_aux.lse, 2e-5, "lse")
 
 
-def test_varlen_with_score_mod_equals_each_sequence_alone():
+@pytest.mark.parametrize("backend", ["auto", "flex"])
+def test_varlen_with_score_mod_equals_each_sequence_alone(backend):
     """varlen_attention with score_mod/mask_mod: each sequence as its own call (positions within
     the sequence), padding tokens 0 / -inf, and the captured table's gradient summed over them."""
     lens_q, lens_kv = [30, 70], [50, 70]
@@ -214,7 +248,8 @@ def test_varlen_with_score_mod_equals_each_sequence_alone():
                 mask_mod=lambda b, h, i, j: j % 7 != 3)
 
     def packed(rel):
-        m = dict(mods, score_mod=lambda s, b, h, i, j: s + rel[i - j + S])
+        m = dict(mods, backend=backend)
+        m = dict(m, score_mod=lambda s, b, h, i, j: s + rel[i - j + S])
         out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                        max_seqlen_q=70, max_seqlen_kv=70, **m)
         return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(aux.lse), aux.lse, 0)), (out, aux)
@@ -234,11 +269,11 @@ def test_varlen_with_score_mod_equals_each_sequence_alone():
 
     (_, (out, aux)), drel = jax.jit(jax.value_and_grad(packed, has_aux=True))(rel)
     (_, (outs, lses)), want_drel = jax.jit(jax.value_and_grad(alone, has_aux=True))(rel)
-    assert aux.backend == "flex"
+    assert aux.backend == ("flash" if backend == "auto" else "flex")
     _close(out[:100], jnp.concatenate(outs), 2e-5, "out")
     _close(aux.lse[:, :100], jnp.concatenate(lses, axis=1), 2e-5, "lse")
     assert np.all(np.asarray(out[100:]) == 0) and np.all(np.isneginf(np.asarray(aux.lse[:, 100:])))
     _close(drel, want_drel, 1e-4, "d(captured table)")
     e = ax.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=70,
-                   max_seqlen_kv=70, **mods)
-    assert e.backend == "flex" and "padded" in e.packed
+                   max_seqlen_kv=70, backend=backend, **mods)
+    assert e.backend == aux.backend and "padded" in e.packed

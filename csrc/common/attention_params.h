@@ -53,6 +53,13 @@ struct AttentionParams {
   // 4..10 give its origin and the global sizes (DropoutIndex), word 11 the diagonal shift of its
   // causal and window rules (DiagonalShift). nullptr for a whole problem.
   const uint32_t* block_state = nullptr;
+  // CPU kernels with score_mod / mask_mod (cpu/score_program.h): the parsed program (a
+  // cpu::ScoreProgram, opaque here), and the tiles it may show, int32 [B|1, Hq|1, q tiles,
+  // kv tiles] of 64 x 64 (0 = every pair hidden: skipped), strides 0 on broadcast dims; or
+  // nullptr.
+  const void* score_program = nullptr;
+  const int32_t* tile_mask = nullptr;
+  int64_t tile_mask_stride[2] = {0, 0};
 
   ATTNAUX_HOST_DEVICE int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 1; }
 

@@ -35,6 +35,7 @@
 #include "cpu/cpu_gemm.h"
 #include "cpu/cpu_parallel.h"
 #include "cpu/cpu_simd.h"
+#include "cpu/score_program.h"
 
 namespace attnaux::cpu {
 
@@ -56,6 +57,9 @@ struct BackwardOutputs {
   void* dk = nullptr;
   void* dv = nullptr;
   float* dbias = nullptr;  // [B, Hq, Sq, Skv] when a bias is given, else nullptr
+  // [B, Hq, score_consts size] with a score program: each (batch, head)'s share of the
+  // gradient of its consts (summed by the caller), else nullptr
+  float* dconsts = nullptr;
 };
 
 // Packed float32 K and V of one (batch, kv head); keys at or beyond kv_seqlens are zero.
@@ -206,7 +210,8 @@ inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, 
     TileKeys(hv, i0, valid, jb, &j0, &j1);
     if (j0 >= j1) continue;
     const int64_t nk = j1 - j0;
-    ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr);
+    ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr, nullptr,
+              &scratch.program_regs);
     const float* v_tile = kv.v_rows + j0 * dv;
     if (kv.nonfinite[jb] != 0.0f) {
       const HiddenInTile hidden(st, nk, valid);
@@ -398,11 +403,13 @@ inline void PackQ(const AttentionParams& p, const BackwardInputs& in, int64_t b,
 // accumulated when non-null; dqt ([D][BQ] of query block ib) and dbias when dqt is non-null.
 // Never inlined: both backward schemes must run the very same machine code (with contraction
 // into FMAs decided once), or they would differ in the last bit.
+// With a score program, `dconsts` (when not null) accumulates its consts' gradients.
 __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvPack& kv,
                                                    const QPack& qs, const QPackLayout& ql,
                                                    int64_t ib, int64_t jb, float* dk_block,
                                                    float* dv_block, float* dqt, float* dbias,
-                                                   TileScratch& scratch) {
+                                                   TileScratch& scratch,
+                                                   float* dconsts = nullptr) {
   const AttentionParams& p = hv.p;
   const int64_t d = p.head_dim, dv = p.v_dim;
   const int64_t i0 = ib * kBlockQ;
@@ -417,7 +424,13 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
   float* pr = scratch.probs.get();
   float* ds = scratch.dprobs.get();
   float* drop = scratch.drop.get();
-  ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th);
+  float* raw = nullptr;
+  if (hv.program != nullptr) {
+    scratch.raw.resize(kBlockK * kBlockQ);
+    raw = scratch.raw.data();
+  }
+  ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th,
+            raw, &scratch.program_regs);
   // Non-finite packed rows: which keys and rows the tile hides (their products are cleaned below).
   const bool check_hidden = kv.nonfinite[jb] != 0.0f || qs.nonfinite[ib] != 0.0f;
   const HiddenInTile hidden = check_hidden ? HiddenInTile(st, nk, valid) : HiddenInTile();
@@ -463,6 +476,11 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
       float* row = dbias + (i0 + lane) * p.kv_len;
       for (int64_t r = 0; r < nk; ++r) row[j0 + r] = ds[r * kBlockQ + lane];
     }
+  }
+  if (hv.program != nullptr) {
+    // dS of the scores score_mod read (softcapped), and its captured arrays' share
+    ScoreProgramBackward(*hv.program, hv.Site(i0, j0), nk, raw, ds, dconsts,
+                         scratch.program_regs, scratch.program_adj);
   }
   if (th != nullptr) {
     for (int64_t x = 0; x < n; x += kLanes) {
@@ -528,12 +546,28 @@ inline void FlashBackward(const AttentionParams& params, const BackwardInputs& i
   const QPackLayout q_layout(p);
   const int64_t nqb = q_layout.num_blocks, nkb = kv_layout.num_blocks;
   const int64_t dqt_size = nqb * d * kBlockQ;  // per query head
-  const int64_t per_batch =
-      p.kv_heads * kv_layout.size() + p.q_heads * (q_layout.size() + dqt_size);
+  // The consts' gradient of a score program: one partial sum per (batch, head, query block),
+  // each accumulated over key blocks in ascending order by both schemes, then summed over query
+  // blocks in order, so the result does not depend on the scheme (or the threads).
+  const ScoreProgram* program = static_cast<const ScoreProgram*>(p.score_program);
+  const int64_t n_consts = outputs.dconsts != nullptr ? program->data_size : 0;
+  const bool const_grads = n_consts > 0 && program->any_gradient_const;
+  const int64_t dconst_size = const_grads ? nqb * n_consts : 0;  // per query head
+  const int64_t per_batch = p.kv_heads * kv_layout.size() +
+                            p.q_heads * (q_layout.size() + dqt_size + dconst_size);
   const int64_t chunk = BatchChunk(per_batch, p.batch);
   FloatBuffer kv_packed(chunk * p.kv_heads * kv_layout.size());
   FloatBuffer q_packed(chunk * p.q_heads * q_layout.size());
   FloatBuffer dqt_all(chunk * p.q_heads * dqt_size);
+  FloatBuffer dconst_all(chunk * p.q_heads * dconst_size);
+  if (outputs.dconsts != nullptr && !const_grads) {
+    std::fill(outputs.dconsts, outputs.dconsts + p.batch * p.q_heads * n_consts, 0.0f);
+  }
+  auto dconst_block = [&](int64_t bl, int64_t h, int64_t ib) -> float* {
+    if (!const_grads) return nullptr;
+    float* at = dconst_all.get() + ((bl * p.q_heads + h) * nqb + ib) * n_consts;
+    return at;
+  };
   const int64_t threads = pool != nullptr ? pool->num_threads() : 0;
   const int64_t dp = q_layout.dp, dvp = q_layout.dvp;
 
@@ -571,6 +605,9 @@ inline void FlashBackward(const AttentionParams& params, const BackwardInputs& i
           float* dqt = dqt_all.get() + (bl * p.q_heads + h) * dqt_size;
           std::fill(dqt, dqt + dqt_size, 0.0f);
           if (float* db = dbias_head(b, h)) std::fill(db, db + p.q_len * p.kv_len, 0.0f);
+          if (const_grads && nqb > 0) {
+            std::fill(dconst_block(bl, h, 0), dconst_block(bl, h, 0) + dconst_size, 0.0f);
+          }
         }
         for (int64_t jb = 0; jb < nkb; ++jb) {
           std::fill(dk_block.get(), dk_block.get() + kBlockK * dp, 0.0f);
@@ -582,7 +619,8 @@ inline void FlashBackward(const AttentionParams& params, const BackwardInputs& i
             float* dqt = dqt_all.get() + (bl * p.q_heads + h) * dqt_size;
             for (int64_t ib = 0; ib < nqb; ++ib) {
               BackwardTile(hv, kv, qs, q_layout, ib, jb, dk_block.get(), dv_block.get(),
-                           dqt + ib * d * kBlockQ, dbias_head(b, h), scratch);
+                           dqt + ib * d * kBlockQ, dbias_head(b, h), scratch,
+                           dconst_block(bl, h, ib));
             }
           }
           const int64_t j0 = jb * kBlockK, j1 = std::min(j0 + kBlockK, p.kv_len);
@@ -629,10 +667,27 @@ inline void FlashBackward(const AttentionParams& params, const BackwardInputs& i
         const int64_t i0 = ib * kBlockQ, i1 = std::min(i0 + kBlockQ, p.q_len);
         float* db = dbias_head(b, h);
         if (db != nullptr) std::fill(db + i0 * p.kv_len, db + i1 * p.kv_len, 0.0f);
+        float* dc = dconst_block(bl, h, ib);
+        if (dc != nullptr) std::fill(dc, dc + n_consts, 0.0f);
         for (int64_t jb = 0; jb < nkb; ++jb) {
-          BackwardTile(hv, kv, qs, q_layout, ib, jb, nullptr, nullptr, dqt, db, scratch);
+          BackwardTile(hv, kv, qs, q_layout, ib, jb, nullptr, nullptr, dqt, db, scratch, dc);
         }
         StoreQGrads(p, outputs, b, h, i0, i1, dqt);
+      });
+    }
+    if (const_grads) {
+      ParallelFor(pool, nb * p.q_heads, [&](int64_t t) {
+        const int64_t bl = t / p.q_heads, h = t % p.q_heads;
+        float* dst = outputs.dconsts + ((b0 + bl) * p.q_heads + h) * n_consts;
+        if (nqb == 0) {
+          std::fill(dst, dst + n_consts, 0.0f);
+          return;
+        }
+        std::copy(dconst_block(bl, h, 0), dconst_block(bl, h, 0) + n_consts, dst);
+        for (int64_t ib = 1; ib < nqb; ++ib) {
+          const float* src = dconst_block(bl, h, ib);
+          for (int64_t x = 0; x < n_consts; ++x) dst[x] += src[x];
+        }
       });
     }
   }

@@ -13,6 +13,7 @@
 #include "cpu/attention_tile.h"
 #include "cpu/cpu_gemm.h"
 #include "cpu/cpu_simd.h"
+#include "cpu/score_program.h"
 
 namespace attnaux::cpu {
 
@@ -59,6 +60,9 @@ struct HeadView {
   bool has_sink = false;
   uint32_t drop_threshold = 0;
   float drop_scale = 1.0f;
+  const ScoreProgram* program = nullptr;  // score_mod / mask_mod, or nullptr
+  const int32_t* tiles = nullptr;         // this head's [q tiles, kv tiles] of tile_mask
+  int64_t kv_tiles = 0;
 
   HeadView(const AttentionParams& params, int64_t batch, int64_t head)
       : p(params), b(batch), h(head), rows(params, batch) {
@@ -80,8 +84,23 @@ struct HeadView {
       drop_threshold = DropoutThreshold(p.dropout_rate);
       drop_scale = 1.0f / (1.0f - p.dropout_rate);
     }
+    program = static_cast<const ScoreProgram*>(p.score_program);
+    kv_tiles = (p.kv_len + kBlockK - 1) / kBlockK;
+    if (p.tile_mask != nullptr) {
+      tiles = p.tile_mask + b * p.tile_mask_stride[0] + h * p.tile_mask_stride[1];
+    }
   }
   bool dropout() const { return p.rng_state != nullptr; }
+  // Where the tile with first query row i0 and first key j0 sits in the whole problem (a shard
+  // of a larger one starts at the block state's origin): the indices score_mod sees.
+  ProgramSite Site(int64_t i0, int64_t j0) const {
+    int64_t origin[4] = {0, 0, 0, 0};
+    if (p.block_state != nullptr) {
+      for (int x = 0; x < 4; ++x) origin[x] = p.block_state[4 + x];
+    }
+    return ProgramSite{static_cast<float>(b + origin[0]), static_cast<float>(h + origin[1]),
+                       i0 + origin[2], j0 + origin[3]};
+  }
 };
 
 // The keys of block jb that query block ib (starting at row i0, `valid` rows) may see:
@@ -106,6 +125,10 @@ inline void TileKeys(const RowRanges& rows, int64_t i0, int64_t valid, int64_t j
 inline void TileKeys(const HeadView& hv, int64_t i0, int64_t valid, int64_t jb, int64_t* j0,
                      int64_t* j1) {
   TileKeys(hv.rows, i0, valid, jb, j0, j1);
+  if (hv.tiles != nullptr && *j0 < *j1 && hv.tiles[(i0 / kBlockQ) * hv.kv_tiles + jb] == 0) {
+    *j1 = *j0;  // mask_mod hides every pair of the tile (its block table)
+    return;
+  }
   if (hv.q_seg == nullptr || *j0 >= *j1) return;
   int32_t lo = hv.q_seg[i0], hi = hv.q_seg[i0];
   if (hv.q_seg_tiles != nullptr && i0 % kBlockQ == 0) {
@@ -187,10 +210,12 @@ inline bool OneSegment(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0
 }
 
 // Scores of keys [j0, j1) x the query block in lanes: st[(j - j0) * BQ + lane] = s(i0 + lane, j)
-// with scale, softcap, bias and visibility applied (invisible: -inf). Lanes >= valid are left as
-// computed from zero queries (finite) unless the tile needs masking.
+// with scale, softcap, score program, bias and visibility applied (invisible: -inf). Lanes >=
+// valid are left as computed from zero queries (finite) unless the tile needs masking or runs a
+// program (then -inf). With a program, `raw` (when not null) keeps the scores it read.
 inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
-                      const float* kt_block, const float* qt, float* st, float* tanh_out) {
+                      const float* kt_block, const float* qt, float* st, float* tanh_out,
+                      float* raw = nullptr, std::vector<float>* program_regs = nullptr) {
   const AttentionParams& p = hv.p;
   const int64_t nk = j1 - j0;
   const int64_t jb_start = (j0 / kBlockK) * kBlockK;
@@ -206,6 +231,13 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
     }
   } else {
     for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) Store(st + x, Load(st + x) * scale);
+  }
+  if (hv.program != nullptr) {
+    ApplyScoreProgram(*hv.program, hv.Site(i0, j0), nk, st, raw, *program_regs);
+    // lanes past the valid rows: whatever the function made of them (NaN, inf) stays out
+    for (int64_t r = 0; r < nk; ++r) {
+      std::fill(st + r * kBlockQ + valid, st + (r + 1) * kBlockQ, -kInf);
+    }
   }
   const RowRanges& rows = hv.rows;
   const bool positions_ok =

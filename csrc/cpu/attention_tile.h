@@ -147,11 +147,12 @@ inline bool AllFinite(const float* x, int64_t n) {
   return acc == 0.0f;
 }
 
-// Work space of one tile (kBlockK x kBlockQ each), and `clean`: copies of packed rows with the
-// rows a tile hides zeroed (attention_cpu.h, HiddenInTile), sized on first use.
+// Work space of one tile (kBlockK x kBlockQ each), and, sized on first use, `clean`: copies of
+// packed rows with the rows a tile hides zeroed (attention_cpu.h, HiddenInTile); with a score
+// program (score_program.h) its registers, their adjoints and the scores it read (`raw`).
 struct TileScratch {
   FloatBuffer scores, tanh, probs, dprobs, drop;
-  std::vector<float> clean;
+  std::vector<float> clean, program_regs, program_adj, raw;
   TileScratch()
       : scores(kBlockK * kBlockQ),
         tanh(kBlockK * kBlockQ),

@@ -9,6 +9,7 @@
 #include "common/ffi_shapes.h"
 #include "cpu/attention_cpu.h"
 #include "cpu/cpu_memory.h"
+#include "cpu/score_program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -146,6 +147,127 @@ ffi::Error FlashBackwardImpl(
   return ffi::Error::Success();
 }
 
+// The score program of a call with score_mod / mask_mod (score_program.h), checked, and its
+// block table: p gets both.
+ffi::Error AttachProgram(ffi::Span<const int32_t> program, ffi::Span<const float> literals,
+                         ffi::Buffer<ffi::F32> score_consts, ffi::Buffer<ffi::S32> tile_mask,
+                         ScoreProgram* parsed, AttentionParams* p) {
+  if (score_consts.dimensions().size() != 1) {
+    return ShapeError(kTarget, "score_consts", "a vector [n] (the flat captured arrays)",
+                      score_consts.dimensions());
+  }
+  const std::string why = ScoreProgram::Parse(
+      program.begin(), static_cast<int64_t>(program.size()), literals.begin(),
+      static_cast<int64_t>(literals.size()), score_consts.typed_data(),
+      score_consts.dimensions()[0], parsed);
+  if (!why.empty()) {
+    return ffi::Error::InvalidArgument(std::string(kTarget) + ": `program`: " + why + ".");
+  }
+  p->score_program = parsed;
+  if (Absent(tile_mask.dimensions())) return ffi::Error::Success();
+  const auto dims = tile_mask.dimensions();
+  const int64_t q_tiles = CeilDiv(p->q_len, kBlockQ), kv_tiles = CeilDiv(p->kv_len, kBlockK);
+  if (dims.size() != 4 || (dims[0] != 1 && dims[0] != p->batch) ||
+      (dims[1] != 1 && dims[1] != p->q_heads) || dims[2] != q_tiles || dims[3] != kv_tiles) {
+    return ShapeError(kTarget, "tile_mask",
+                      "[B|1, Hq|1, ceil(Sq/64), ceil(Skv/64)] = [" + std::to_string(p->batch) +
+                          "|1, " + std::to_string(p->q_heads) + "|1, " +
+                          std::to_string(q_tiles) + ", " + std::to_string(kv_tiles) + "]",
+                      dims);
+  }
+  p->tile_mask = tile_mask.typed_data();
+  p->tile_mask_stride[0] = dims[0] == 1 ? 0 : dims[1] * q_tiles * kv_tiles;
+  p->tile_mask_stride[1] = dims[1] == 1 ? 0 : q_tiles * kv_tiles;
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashModForwardImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+    ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+    ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+    ffi::Buffer<ffi::U32> rng_state, ffi::Buffer<ffi::F32> score_consts,
+    ffi::Buffer<ffi::S32> tile_mask, float scale, float softcap, int32_t causal,
+    int64_t window_left, int64_t window_right, float dropout_rate,
+    ffi::Span<const int32_t> program, ffi::Span<const float> literals,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+    ffi::Result<ffi::Buffer<ffi::F32>> max) {
+  AttentionParams p;
+  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                      window_left, window_right, dropout_rate, &p));
+  ScoreProgram parsed;
+  ATTNAUX_RETURN_IF_ERROR(AttachProgram(program, literals, score_consts, tile_mask, &parsed, &p));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out->element_type(), q.element_type(),
+                                      out->dimensions(),
+                                      {p.batch, p.q_len, p.q_heads, p.v_dim}));
+  ATTNAUX_RETURN_IF_ERROR(
+      ExpectShape("lse (output)", lse->dimensions(), {p.batch, p.q_heads, p.q_len}));
+  ATTNAUX_RETURN_IF_ERROR(
+      ExpectShape("max (output)", max->dimensions(), {p.batch, p.q_heads, p.q_len}));
+  ForwardOutputs outputs;
+  outputs.out = out->untyped_data();
+  outputs.lse = lse->typed_data();
+  outputs.max = max->typed_data();
+  FlashForward(p, outputs, &pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashModBackwardImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+    ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+    ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+    ffi::Buffer<ffi::U32> rng_state, ffi::Buffer<ffi::F32> score_consts,
+    ffi::Buffer<ffi::S32> tile_mask, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, float scale, float softcap,
+    int32_t causal, int64_t window_left, int64_t window_right, float dropout_rate,
+    ffi::Span<const int32_t> program, ffi::Span<const float> literals,
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::Buffer<ffi::F32>> dconsts) {
+  AttentionParams p;
+  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                      window_left, window_right, dropout_rate, &p));
+  ScoreProgram parsed;
+  ATTNAUX_RETURN_IF_ERROR(AttachProgram(program, literals, score_consts, tile_mask, &parsed, &p));
+  if (p.bias != nullptr) {
+    return ffi::Error::InvalidArgument(std::string(kTarget) +
+                                       ": a bias does not combine with a score program.");
+  }
+  const ffi::DataType dtype = q.element_type();
+  const std::vector<int64_t> o_shape = {p.batch, p.q_len, p.q_heads, p.v_dim};
+  const std::vector<int64_t> stat_shape = {p.batch, p.q_heads, p.q_len};
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out.element_type(), dtype, out.dimensions(), o_shape));
+  ATTNAUX_RETURN_IF_ERROR(
+      CheckOutput("dout", dout.element_type(), dtype, dout.dimensions(), o_shape));
+  ATTNAUX_RETURN_IF_ERROR(ExpectShape("lse", lse.dimensions(), stat_shape));
+  ATTNAUX_RETURN_IF_ERROR(ExpectShape("dlse", dlse.dimensions(), stat_shape));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dq (output)", dq->element_type(), dtype,
+                                      dq->dimensions(),
+                                      {p.batch, p.q_len, p.q_heads, p.head_dim}));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dk (output)", dk->element_type(), dtype,
+                                      dk->dimensions(),
+                                      {p.batch, p.kv_len, p.kv_heads, p.head_dim}));
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dv (output)", dv->element_type(), dtype,
+                                      dv->dimensions(),
+                                      {p.batch, p.kv_len, p.kv_heads, p.v_dim}));
+  ATTNAUX_RETURN_IF_ERROR(ExpectShape("dscore_consts (output)", dconsts->dimensions(),
+                                      {p.batch, p.q_heads, parsed.data_size}));
+  BackwardInputs inputs;
+  inputs.out = out.untyped_data();
+  inputs.dout = dout.untyped_data();
+  inputs.lse = lse.typed_data();
+  inputs.dlse = dlse.typed_data();
+  BackwardOutputs outputs;
+  outputs.dq = dq->untyped_data();
+  outputs.dk = dk->untyped_data();
+  outputs.dv = dv->untyped_data();
+  outputs.dconsts = dconsts->typed_data();
+  FlashBackward(p, inputs, outputs, &pool);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace attnaux::cpu
 
@@ -205,3 +327,68 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()              // dk [B, Skv, Hkv, D]
         .Ret<ffi::AnyBuffer>()              // dv [B, Skv, Hkv, Dv]
         .Ret<ffi::Buffer<ffi::F32>>());     // dbias [B, Hq, Sq, Skv] with a bias, else (0,)
+
+// attnaux_flash_mod_fwd / _bwd: the flash kernels with score_mod / mask_mod as a score program
+// (score_program.h): the canonical operands, then the flat captured arrays and the block table.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AttnauxFlashModFwdCpu, attnaux::cpu::FlashModForwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::AnyBuffer>()              // q
+        .Arg<ffi::AnyBuffer>()              // k
+        .Arg<ffi::AnyBuffer>()              // v
+        .Arg<ffi::Buffer<ffi::F32>>()       // bias: (0,) (score_mod adds its own)
+        .Arg<ffi::Buffer<ffi::PRED>>()      // mask: (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::F32>>()       // sink or (0,)
+        .Arg<ffi::Buffer<ffi::U32>>()       // rng_state: the 12-word block state (origin)
+        .Arg<ffi::Buffer<ffi::F32>>()       // score_consts [n]: captured arrays, flat
+        .Arg<ffi::Buffer<ffi::S32>>()       // tile_mask [B|1, Hq|1, q tiles, kv tiles] or (0,)
+        .Attr<float>("scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("causal")
+        .Attr<int64_t>("window_left")
+        .Attr<int64_t>("window_right")
+        .Attr<float>("dropout_rate")
+        .Attr<ffi::Span<const int32_t>>("program")   // the score program's words
+        .Attr<ffi::Span<const float>>("literals")    // its literal table
+        .Ret<ffi::AnyBuffer>()              // out
+        .Ret<ffi::Buffer<ffi::F32>>()       // lse
+        .Ret<ffi::Buffer<ffi::F32>>());     // max
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AttnauxFlashModBwdCpu, attnaux::cpu::FlashModBackwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::AnyBuffer>()              // q
+        .Arg<ffi::AnyBuffer>()              // k
+        .Arg<ffi::AnyBuffer>()              // v
+        .Arg<ffi::Buffer<ffi::F32>>()       // bias: (0,)
+        .Arg<ffi::Buffer<ffi::PRED>>()      // mask: (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_seqlens
+        .Arg<ffi::Buffer<ffi::S32>>()       // q_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::S32>>()       // kv_segment_ids or (0,)
+        .Arg<ffi::Buffer<ffi::F32>>()       // sink or (0,)
+        .Arg<ffi::Buffer<ffi::U32>>()       // rng_state: the 12-word block state
+        .Arg<ffi::Buffer<ffi::F32>>()       // score_consts
+        .Arg<ffi::Buffer<ffi::S32>>()       // tile_mask or (0,)
+        .Arg<ffi::AnyBuffer>()              // out
+        .Arg<ffi::AnyBuffer>()              // dout
+        .Arg<ffi::Buffer<ffi::F32>>()       // lse
+        .Arg<ffi::Buffer<ffi::F32>>()       // dlse
+        .Attr<float>("scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("causal")
+        .Attr<int64_t>("window_left")
+        .Attr<int64_t>("window_right")
+        .Attr<float>("dropout_rate")
+        .Attr<ffi::Span<const int32_t>>("program")
+        .Attr<ffi::Span<const float>>("literals")
+        .Ret<ffi::AnyBuffer>()              // dq
+        .Ret<ffi::AnyBuffer>()              // dk
+        .Ret<ffi::AnyBuffer>()              // dv
+        .Ret<ffi::Buffer<ffi::F32>>());     // dscore_consts [B, Hq, n]: per (batch, head)

@@ -18,6 +18,8 @@ PYBIND11_MODULE(_ext, m) {
         py::dict handlers;
         handlers["attnaux_flash_fwd"] = HandlerCapsule(AttnauxFlashFwdCpu);
         handlers["attnaux_flash_bwd"] = HandlerCapsule(AttnauxFlashBwdCpu);
+        handlers["attnaux_flash_mod_fwd"] = HandlerCapsule(AttnauxFlashModFwdCpu);
+        handlers["attnaux_flash_mod_bwd"] = HandlerCapsule(AttnauxFlashModBwdCpu);
         attnaux::AddProbsRegistrations(handlers);
         attnaux::AddSoftmaxRegistrations(handlers);
         return handlers;

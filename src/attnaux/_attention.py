@@ -9,7 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, TypeCheckError, jax
 from ._aux import AttnAux, unflatten
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
-from ._flex import attention_with_mods, choose_mods
+from ._mods import attention_with_mods, choose_mods
 from ._varlen import explain_varlen
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
@@ -234,10 +234,10 @@ def _explain_mods(q, k, v, score_mod, mask_mod, options) -> Explanation:
 
     def trace(q, k, v, *arrays):
         problem = canonicalize(q, k, v, statics["statics"], **dict(zip(names, arrays)))
-        chosen, _, _, _, reasons = choose_mods(problem, score_mod, mask_mod, backend, bias, mask,
-                                               statics["return_probs"])
-        result.append(Explanation(backend=chosen, implementation="JAX (XLA-compiled)",
-                                  platform=jax.default_backend(), reasons=reasons))
+        c = choose_mods(problem, score_mod, mask_mod, backend, bias, mask,
+                        statics["return_probs"])
+        result.append(Explanation(backend=c.backend, implementation=c.implementation,
+                                  platform=jax.default_backend(), reasons=c.reasons))
         return 0
 
     jax.eval_shape(trace, q, k, v, *arrays)

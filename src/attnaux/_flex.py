@@ -75,12 +75,15 @@ def vectorize_mask_mod(mask_mod: Callable, n_consts: int = 0) -> Callable:
 
 class Mods(NamedTuple):
     """The closure-converted functions: `score(s, b, h, qi, ki, *score_consts)` and
-    `mask(b, h, qi, ki, *mask_consts)` (vectorised), or None."""
+    `mask(b, h, qi, ki, *mask_consts)` (vectorised), or None; `score_scalar` and
+    `mask_scalar` are the same functions on scalars (what `_score_program` translates)."""
 
     score: Callable | None
     n_score: int
     mask: Callable | None
     n_mask: int
+    score_scalar: Callable | None = None
+    mask_scalar: Callable | None = None
 
 
 def _trace(name: str, fn: Callable, *args):
@@ -102,7 +105,7 @@ def convert(score_mod, mask_mod):
     on one example: a scalar float32 result for `score_mod`, a scalar bool for `mask_mod`)."""
     i = jnp.zeros((), jnp.int32)
     s = jnp.zeros((), jnp.float32)
-    score_fn = mask_fn = None
+    score_fn = mask_fn = pure = pure_m = None
     consts_s: list = []
     consts_m: list = []
     if score_mod is not None:
@@ -129,7 +132,7 @@ def convert(score_mod, mask_mod):
             )
         pure_m, consts_m = jax.closure_convert(mask_mod, i, i, i, i)
         mask_fn = vectorize_mask_mod(pure_m, len(consts_m))
-    return (Mods(score_fn, len(consts_s), mask_fn, len(consts_m)),
+    return (Mods(score_fn, len(consts_s), mask_fn, len(consts_m), pure, pure_m),
             (*consts_s, *consts_m))
 
 
@@ -180,33 +183,58 @@ def _geometry_visible(options: Options, nq: int, nk: int, q_seq: int, kv_seq: in
     return keep
 
 
+def dense_mask(mods: Mods, consts, bsz: int, q_heads: int, q_seq: int,
+               kv_seq: int) -> tuple[np.ndarray | None, str]:
+    """`(bool [B, Hq, Sq, Skv] or None, why not)`: mask_mod evaluated at every pair at trace
+    time, where that is possible (at most `BLOCK_MASK_MAX_EVALUATIONS` pairs, no traced
+    captures)."""
+    if mods.mask is None:
+        return None, ""
+    if bsz * q_heads * q_seq * kv_seq > BLOCK_MASK_MAX_EVALUATIONS:
+        return None, (f"mask_mod not evaluated ({bsz * q_heads * q_seq * kv_seq} pairs > "
+                      f"BLOCK_MASK_MAX_EVALUATIONS)")
+    try:
+        with jax.ensure_compile_time_eval():
+            dense = np.asarray(_mask(mods, consts, jnp.arange(bsz), jnp.arange(q_heads),
+                                     jnp.arange(q_seq), jnp.arange(kv_seq)))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError):
+        return None, "mask_mod not evaluated (it captures traced arrays)"
+    return np.broadcast_to(dense, (bsz, q_heads, q_seq, kv_seq)), ""
+
+
+def _tile_table(dense: np.ndarray, bq: int, bk: int) -> np.ndarray:
+    """bool `[B, Hq, ceil(Sq/bq), ceil(Skv/bk)]`: some pair of the tile is visible."""
+    bsz, q_heads, q_seq, kv_seq = dense.shape
+    nq, nk = -(-q_seq // bq), -(-kv_seq // bk)
+    pad = np.zeros((bsz, q_heads, nq * bq, nk * bk), bool)
+    pad[:, :, :q_seq, :kv_seq] = dense
+    return pad.reshape(bsz, q_heads, nq, bq, nk, bk).any(axis=(3, 5))
+
+
+def tiles_of(dense: np.ndarray, tile: int) -> np.ndarray:
+    """int32 `[B|1, Hq|1, ceil(Sq/tile), ceil(Skv/tile)]`: 1 where some pair of the tile is
+    visible; a dim of size 1 where every batch row (head) has the same table."""
+    table = _tile_table(dense, tile, tile).astype(np.int32)
+    if (table == table[:1]).all():
+        table = table[:1]
+    if (table == table[:, :1]).all():
+        table = table[:, :1]
+    return table
+
+
 def block_table(mods: Mods, consts, options: Options, bsz: int, q_heads: int, q_seq: int,
-                kv_seq: int) -> BlockTable:
-    """The tiles to visit (`BlockTable`)."""
+                kv_seq: int, dense: np.ndarray | None = None, why_not: str = "") -> BlockTable:
+    """The tiles to visit (`BlockTable`), from the geometry and `dense_mask`'s result."""
     bq, bk = tile_sizes(q_seq, kv_seq)
     nq, nk = -(-q_seq // bq), -(-kv_seq // bk)
     keep = _geometry_visible(options, nq, nk, q_seq, kv_seq, bq, bk)
     how = "the causal/window geometry"
-    if mods.mask is not None:
-        if bsz * q_heads * q_seq * kv_seq > BLOCK_MASK_MAX_EVALUATIONS:
-            how += (f"; mask_mod not evaluated ({bsz * q_heads * q_seq * kv_seq} pairs > "
-                    f"BLOCK_MASK_MAX_EVALUATIONS)")
-        else:
-            dense = None
-            try:
-                with jax.ensure_compile_time_eval():
-                    dense = np.asarray(_mask(
-                        mods, consts, jnp.arange(bsz), jnp.arange(q_heads),
-                        jnp.arange(q_seq), jnp.arange(kv_seq)))
-            except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-                    jax.errors.TracerBoolConversionError,
-                    jax.errors.TracerIntegerConversionError):
-                how += "; mask_mod not evaluated (it captures traced arrays)"
-            if dense is not None:
-                pad = np.zeros((nq * bq, nk * bk), bool)
-                pad[:q_seq, :kv_seq] = dense.any(axis=(0, 1))  # [Sq, Skv]
-                keep &= pad.reshape(nq, bq, nk, bk).any(axis=(1, 3))
-                how += " and mask_mod (evaluated once for this shape)"
+    if why_not:
+        how += "; " + why_not
+    if dense is not None:
+        keep &= _tile_table(dense, bq, bk).any(axis=(0, 1))
+        how += " and mask_mod (evaluated once for this shape)"
     counts = keep.sum(axis=1).astype(np.int32)
     indices = np.zeros((nq, max(1, int(counts.max(initial=0)))), np.int32)
     for i in range(nq):
@@ -496,79 +524,3 @@ def run(arrays: Canonical, options: Options, mods: Mods, consts, table: BlockTab
 def describe(table: BlockTable) -> str:
     return (f"blockwise online softmax in JAX ({table.bq} x {table.bk} tiles, XLA-compiled); "
             f"computes {table.fraction:.1%} of the blocks (skipped by {table.how})")
-
-
-
-# ------------------------------------------------------------------------------------------------
-# The entry (`attnaux.attention` with score_mod or mask_mod)
-# ------------------------------------------------------------------------------------------------
-MOD_BACKENDS = ("auto", "flex", "reference")
-
-
-def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) -> str:
-    """The backend that serves a call with score_mod/mask_mod, or a ValueError saying why none."""
-    if backend not in MOD_BACKENDS:
-        raise ValueError(
-            f"`score_mod` and `mask_mod` are served by backend 'flex' (blockwise, compiled by "
-            f"XLA) or 'reference' (materialised); got backend={backend!r}."
-        )
-    if bias is not None:
-        raise ValueError("`bias` does not combine with `score_mod`/`mask_mod`: add it in the "
-                         "score_mod (`lambda s, b, h, i, j: s + bias[b, h, i, j]`, closing over "
-                         "the array, which then receives its gradient).")
-    if mask is not None:
-        raise ValueError("`mask` does not combine with `score_mod`/`mask_mod`: read it in the "
-                         "mask_mod (`lambda b, h, i, j: mask[b, h, i, j]`).")
-    if dropout_rate > 0:
-        raise ValueError("dropout is not yet served together with `score_mod`/`mask_mod` "
-                         f"(dropout_rate={dropout_rate}).")
-    if backend == "flex" and return_probs:
-        raise ValueError("backend='flex' does not save the probabilities (return_probs=True); "
-                         "use backend='reference' (materialised) or 'auto'.")
-    if backend == "auto":
-        return "reference" if return_probs else "flex"
-    return backend
-
-
-def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs):
-    """`(backend, mods, consts, table or None, reasons)` for a validated call."""
-    options = problem.options
-    chosen = _check(backend, bias, mask, options.dropout_rate, return_probs)
-    arrays = problem.arrays
-    mods, consts = convert(score_mod, mask_mod)
-    bsz, q_seq, q_heads, _ = arrays.q.shape
-    table = block_table(mods, consts, options, bsz, q_heads, q_seq, arrays.k.shape[1])
-    reasons = {
-        "flex": describe(table) + ("; chosen" if chosen == "flex" else
-                                   "; not chosen: it saves no probabilities"
-                                   if return_probs else "; not chosen: asked for reference"),
-        "reference": "materialises the q_seq x kv_seq scores" + (
-            "; chosen" if chosen == "reference" else ""),
-    }
-    for name in ("flash", "probs", "small_seq"):
-        reasons[name] = "does not serve score_mod/mask_mod (yet): the flex backend does"
-    return chosen, mods, consts, table, reasons
-
-
-def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_seqlens,
-                        kv_seqlens, q_segment_ids, kv_segment_ids, sink, key, return_probs,
-                        backend):
-    from ._aux import unflatten
-    from ._canon import canonicalize
-    from ._reference import reference_attention
-
-    problem = canonicalize(q, k, v, statics, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                           sink=sink, key=key)
-    chosen, mods, consts, table, _ = choose_mods(problem, score_mod, mask_mod, backend, bias,
-                                                 mask, return_probs)
-    arrays, options = problem.arrays, problem.options
-    probs = None
-    if chosen == "flex":
-        out, lse, row_max = run(arrays, options, mods, consts, table)
-    else:
-        out, lse, row_max, probs = reference_attention(arrays, options,
-                                                       return_probs=return_probs, mods=mods,
-                                                       consts=consts)
-    return unflatten(problem.batch_shape, out, lse, row_max, probs, arrays.rng_state,
-                     backend=chosen, dropout_impl="attnaux")

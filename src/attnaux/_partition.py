@@ -64,6 +64,10 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     # the CUDA probs kernels and cuDNN's
     "scores": _PAIRS, "dp": _PAIRS, "weights": _PAIRS, "ds": _PAIRS, "stats": _ROWS,
     "q_len": (BATCH,), "kv_len": (BATCH,), "rng": ("rng_state",), "offsets": ("offsets",),
+    # score_mod / mask_mod in the CPU kernels: the flat captured arrays, the block table of
+    # 64 x 64 tiles (dims of size 1 broadcast), each (batch, head)'s share of their gradient
+    "score_consts": ("score_consts",), "tile_mask": (BATCH, HEADS, "q_tiles", "kv_tiles"),
+    "dscore_consts": (BATCH, HEADS, "score_consts"),
 }
 """The dims of every named operand and result of the attention kernels."""
 

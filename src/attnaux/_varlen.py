@@ -227,7 +227,7 @@ def _varlen_mods(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_
     """`varlen_attention` with `score_mod`/`mask_mod`: the sequences padded to `[num_seqs,
     max_seqlen]` (so the functions see the sequence as `batch` and positions within it as
     `q_idx`/`kv_idx`), the flex (or reference) backend, and the rows gathered back."""
-    from ._flex import attention_with_mods
+    from ._mods import attention_with_mods
 
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
@@ -315,7 +315,7 @@ def explain_varlen(q, k, v, **options) -> Explanation:
 
 
 def _explain_varlen_mods(q, k, v, options, score_mod, mask_mod) -> Explanation:
-    from ._flex import choose_mods
+    from ._mods import choose_mods
 
     backend = options.get("backend", "auto")
     options["backend"] = "auto"
@@ -329,11 +329,11 @@ def _explain_varlen_mods(q, k, v, options, score_mod, mask_mod) -> Explanation:
             _padded(q, pq, statics["max_seqlen_q"]), _padded(k, pk, statics["max_seqlen_kv"]),
             _padded(v, pk, statics["max_seqlen_kv"]), statics["statics"],
             q_seqlens=pq.lengths, kv_seqlens=pk.lengths, sink=sink, key=key)
-        chosen, _, _, _, reasons = choose_mods(problem, score_mod, mask_mod, backend, None, None,
-                                               statics["return_probs"])
+        c = choose_mods(problem, score_mod, mask_mod, backend, None, None,
+                        statics["return_probs"])
         result.append(Explanation(
-            backend=chosen, implementation="JAX (XLA-compiled)", platform=jax.default_backend(),
-            reasons=reasons, packed="padded to [num_seqs, max_seqlen] with per-sequence lengths "
+            backend=c.backend, implementation=c.implementation, platform=jax.default_backend(),
+            reasons=c.reasons, packed="padded to [num_seqs, max_seqlen] with per-sequence lengths "
             "(score_mod/mask_mod see the sequence as batch and positions within it)"))
         return 0
 

@@ -47,3 +47,33 @@ def test_score_mod_under_shard_map_and_sharded_jit():
     want_out, want_lse = _f(q, k, v, rel)
     _close(out, want_out, 2e-5, "out, jit with a sharded batch")
     _close(lse, want_lse, 2e-5, "lse, jit with a sharded batch")
+
+
+def test_sharded_jit_over_batch_and_heads_sees_global_indices():
+    """The compiled score program under `jax.jit` with batch and heads split 2 x 2: a function
+    of the head and batch index (per-head slopes, a per-batch offset) sees the global indices
+    (the shard's origin travels in the kernel's block state), gradients of the slopes too."""
+    mesh = jax.make_mesh((2, 2), ("b", "h"), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    q, k, v = (jax.random.normal(jax.random.key(i), (4, 70, 4, 16)) for i in range(3))
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+
+    def loss(q, k, v, slopes):
+        out, aux = ax.attention(
+            q, k, v, causal=True,
+            score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j) + 0.5 * b)
+        assert aux.backend == "flash"
+        return jnp.sum(out**2) + jnp.sum(aux.lse), (out, aux.lse)
+
+    grad = jax.grad(loss, argnums=(0, 3), has_aux=True)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("b", None, "h")))  # noqa: E731
+    (dq, dslopes), (out, lse) = jax.jit(grad)(put(q), put(k), put(v), slopes)
+    (want_dq, want_dslopes), (want_out, want_lse) = jax.jit(grad)(q, k, v, slopes)
+    _close(out, want_out, 2e-5, "out, batch x heads sharded")
+    _close(lse, want_lse, 2e-5, "lse, batch x heads sharded")
+    _close(dq, want_dq, 1e-4, "dq, batch x heads sharded")
+    _close(dslopes, want_dslopes, 1e-4, "d(slopes), batch x heads sharded")
+    r_out, r_aux = ax.attention(
+        q, k, v, causal=True, backend="reference",
+        score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j) + 0.5 * b)
+    _close(want_out, r_out, 2e-5, "out against the materialised reference")

@@ -1,0 +1,172 @@
+"""`attnaux.attention` with `score_mod` / `mask_mod`: which backend serves the call, and the call.
+
+Three backends serve the functions:
+
+- `flash` (CPU): the C++ flash kernels run them inside their tiles as a *score program*, the
+  functions' jaxprs translated into a flat list of elementwise instructions
+  (`_score_program.py`, `csrc/cpu/score_program.h`); the kernels differentiate the program
+  instruction by instruction (JAX's rules), so captured arrays get their gradients, and skip
+  the 64 x 64 tiles that `mask_mod` hides (a table built once per static shape). `auto` picks it
+  on CPU whenever the functions translate.
+- `flex`: blockwise online softmax in JAX (`_flex.py`), compiled by XLA on every platform; it
+  serves what does not translate (and the GPU, until cuDNN takes score programs), and `explain`
+  says which operation stopped the translation.
+- `reference`: the scores materialised (the test oracle; serves `return_probs`).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from . import _flash_cpu, _flex
+from ._score_program import ScoreProgram, Untranslatable, pack_consts, translate
+
+MOD_BACKENDS = ("auto", "flash", "flex", "reference")
+
+CONST_GRADIENT_MAX_FLOATS = 2**26
+"""The C++ backward keeps one partial sum of the captured arrays' gradient per (batch row, head,
+64-row query tile), so that its result does not depend on the threads; above this many floats
+(256 MiB) per batch row the compiled path is not taken (flex serves the call)."""
+
+
+class ModsChoice(NamedTuple):
+    backend: str
+    implementation: str
+    mods: Any  # _flex.Mods
+    consts: tuple
+    table: Any  # _flex.BlockTable (the flex tiles; also what explain reports)
+    program: ScoreProgram | None
+    extras: tuple
+    tile_mask: np.ndarray | None
+    reasons: dict
+
+
+def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) -> None:
+    if backend not in MOD_BACKENDS:
+        raise ValueError(
+            f"`score_mod` and `mask_mod` are served by backend 'flash' (CPU: compiled into the "
+            f"C++ kernels), 'flex' (blockwise, compiled by XLA) or 'reference' (materialised); "
+            f"got backend={backend!r}."
+        )
+    if bias is not None:
+        raise ValueError("`bias` does not combine with `score_mod`/`mask_mod`: add it in the "
+                         "score_mod (`lambda s, b, h, i, j: s + bias[b, h, i, j]`, closing over "
+                         "the array, which then receives its gradient).")
+    if mask is not None:
+        raise ValueError("`mask` does not combine with `score_mod`/`mask_mod`: read it in the "
+                         "mask_mod (`lambda b, h, i, j: mask[b, h, i, j]`).")
+    if dropout_rate > 0:
+        raise ValueError("dropout is not yet served together with `score_mod`/`mask_mod` "
+                         f"(dropout_rate={dropout_rate}).")
+    if backend in ("flex", "flash") and return_probs:
+        raise ValueError(f"backend={backend!r} does not save the probabilities "
+                         "(return_probs=True); use backend='reference' (materialised) or 'auto'.")
+
+
+def _compiled(problem, mods, consts, dense, platform: str):
+    """`(program, extras, tile_mask, None)` when the CPU kernels can run the functions, else
+    `(None, (), None, why not)`."""
+    if platform != "cpu":
+        return None, (), None, (
+            f"score programs run in the CPU kernels only; on {platform!r} the flex path serves "
+            "them (cuDNN score modifiers are not translated yet)")
+    why = _flash_cpu.mod_unavailable(platform)
+    if why is not None:
+        return None, (), None, why
+    try:
+        program, extras = translate(mods.score_scalar, mods.n_score, mods.mask_scalar,
+                                    mods.n_mask, consts)
+    except Untranslatable as error:
+        return None, (), None, str(error)
+    arrays = problem.arrays
+    _, q_seq, q_heads, _ = arrays.q.shape
+    if any(program.differentiable):
+        q_tiles = -(-q_seq // _flash_cpu.KERNEL_TILE)
+        need = q_heads * q_tiles * program.size
+        if need > CONST_GRADIENT_MAX_FLOATS:
+            return None, (), None, (
+                f"the captured arrays ({program.size} floats) are too large for the kernels' "
+                f"per-tile gradient sums ({need} floats per batch row > "
+                "CONST_GRADIENT_MAX_FLOATS)")
+    tile_mask = None if dense is None else _flex.tiles_of(dense, _flash_cpu.KERNEL_TILE)
+    return program, extras, tile_mask, None
+
+
+def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs) -> ModsChoice:
+    """The backend (and what it needs) for a validated call with score_mod/mask_mod."""
+    options = problem.options
+    _check(backend, bias, mask, options.dropout_rate, return_probs)
+    arrays = problem.arrays
+    mods, consts = _flex.convert(score_mod, mask_mod)
+    bsz, q_seq, q_heads, _ = arrays.q.shape
+    kv_seq = arrays.k.shape[1]
+    dense, why_not = _flex.dense_mask(mods, consts, bsz, q_heads, q_seq, kv_seq)
+    table = _flex.block_table(mods, consts, options, bsz, q_heads, q_seq, kv_seq, dense, why_not)
+    platform = jax.default_backend()
+    program, extras, tile_mask, why = _compiled(problem, mods, consts, dense, platform)
+    if backend == "flash" and program is None:
+        raise ValueError(f"backend='flash' cannot serve this score_mod/mask_mod: {why}.")
+    chosen = backend
+    if backend == "auto":
+        chosen = "reference" if return_probs else "flash" if program is not None else "flex"
+    if program is not None:
+        tiles = ""
+        if tile_mask is not None:
+            tiles = (f"; mask_mod's block table keeps {float(tile_mask.mean()):.1%} of the 64 x "
+                     "64 tiles (the causal/window/length rules skip more)")
+        elif why_not:
+            tiles = f"; {why_not}: no tile skipped by it"
+        flash = (f"the functions run inside the C++ kernels as a score program of "
+                 f"{program.n_instr} instructions{tiles}")
+    else:
+        flash = f"cannot run these functions: {why}"
+    if chosen == "flash":
+        flash += "; chosen"
+    elif program is not None:
+        flash += ("; not chosen: it saves no probabilities" if return_probs
+                  else f"; not chosen: asked for {backend}")
+    reasons = {
+        "flash": flash,
+        "flex": _flex.describe(table) + (
+            "; chosen" if chosen == "flex" else
+            "; not chosen: it saves no probabilities" if return_probs else
+            "; not chosen: the compiled kernels serve it" if chosen == "flash" else
+            f"; not chosen: asked for {chosen}"),
+        "reference": "materialises the q_seq x kv_seq scores" + (
+            "; chosen" if chosen == "reference" else ""),
+        "probs": "does not serve score_mod/mask_mod: flash (CPU) and flex do",
+        "small_seq": "does not serve score_mod/mask_mod: flash (CPU) and flex do",
+    }
+    implementation = {
+        "flash": f"C++ (XLA FFI, {platform}) with a score program",
+        "flex": "JAX (XLA-compiled)", "reference": "JAX (XLA-compiled), materialised",
+    }[chosen]
+    return ModsChoice(chosen, implementation, mods, consts, table, program, extras, tile_mask,
+                      reasons)
+
+
+def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_seqlens,
+                        kv_seqlens, q_segment_ids, kv_segment_ids, sink, key, return_probs,
+                        backend):
+    from ._aux import unflatten
+    from ._canon import canonicalize
+    from ._reference import reference_attention
+
+    problem = canonicalize(q, k, v, statics, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                           sink=sink, key=key)
+    c = choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
+    arrays, options = problem.arrays, problem.options
+    probs = None
+    if c.backend == "flash":
+        flat = pack_consts(c.program, c.consts, c.extras)
+        out, lse, row_max = _flash_cpu.run_mods(arrays, options, c.program, flat, c.tile_mask)
+    elif c.backend == "flex":
+        out, lse, row_max = _flex.run(arrays, options, c.mods, c.consts, c.table)
+    else:
+        out, lse, row_max, probs = reference_attention(arrays, options,
+                                                       return_probs=return_probs, mods=c.mods,
+                                                       consts=c.consts)
+    return unflatten(problem.batch_shape, out, lse, row_max, probs, arrays.rng_state,
+                     backend=c.backend, dropout_impl="attnaux")
