@@ -54,9 +54,9 @@ struct AttentionParams {
   // causal and window rules (DiagonalShift). nullptr for a whole problem.
   const uint32_t* block_state = nullptr;
   // CPU kernels with score_mod / mask_mod (cpu/score_program.h): the parsed program (a
-  // cpu::ScoreProgram, opaque here), and the tiles it may show, int32 [B|1, Hq|1, q tiles,
-  // kv tiles] of 64 x 64 (0 = every pair hidden: skipped), strides 0 on broadcast dims; or
-  // nullptr.
+  // cpu::ScoreProgram, opaque here), and mask_mod's block table, int32 [B|1, Hq|1, q tiles,
+  // kv tiles] of 64 x 64 (0: every pair hidden, skipped; 1: some; 2: every pair shown),
+  // strides 0 on broadcast dims; or nullptr.
   const void* score_program = nullptr;
   const int32_t* tile_mask = nullptr;
   int64_t tile_mask_stride[2] = {0, 0};

@@ -233,7 +233,10 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
     for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) Store(st + x, Load(st + x) * scale);
   }
   if (hv.program != nullptr) {
-    ApplyScoreProgram(*hv.program, hv.Site(i0, j0), nk, st, raw, *program_regs);
+    // a tile that mask_mod shows whole (2 in its block table) needs no mask from it
+    const bool whole = hv.tiles != nullptr &&
+                       hv.tiles[(i0 / kBlockQ) * hv.kv_tiles + j0 / kBlockK] == 2;
+    ApplyScoreProgram(*hv.program, hv.Site(i0, j0), nk, st, raw, *program_regs, !whole);
     // lanes past the valid rows: whatever the function made of them (NaN, inf) stays out
     for (int64_t r = 0; r < nk; ++r) {
       std::fill(st + r * kBlockQ + valid, st + (r + 1) * kBlockQ, -kInf);

@@ -61,6 +61,9 @@ struct ScoreProgram {
   const float* data = nullptr;  // the flat const buffer
   int64_t data_size = 0;
   std::vector<char> active;  // per register: depends on the score or a differentiable const
+  // per register: the same for every element of a tile (a function of batch, head, literals
+  // and loads at such indices): computed once per tile, not per element
+  std::vector<char> uniform;
   bool any_gradient_const = false;
 
   // Checks `words` completely (every register read is defined before, every index in range),
@@ -111,6 +114,8 @@ struct ScoreProgram {
     }
     p.active.assign(n_regs, 0);
     p.active[0] = 1;
+    p.uniform.assign(n_regs, 0);
+    p.uniform[1] = p.uniform[2] = 1;
     auto reg_ok = [&](int32_t r, int32_t dst) { return r >= 0 && r < dst; };
     for (int32_t k = 0; k < n_instr; ++k, w += kInstrWords) {
       Instr in{w[0], w[1], w[2], w[3], w[4], w[5], w[6]};
@@ -161,9 +166,34 @@ struct ScoreProgram {
       }
       if (!ok) return "an instruction of the program reads an undefined register or const";
       p.active[in.dst] = act ? 1 : 0;
+      p.uniform[in.dst] = p.UniformOperands(in) ? 1 : 0;
       p.instrs.push_back(in);
     }
     return "";
+  }
+
+  // Whether every register instruction `in` reads is uniform over a tile.
+  bool UniformOperands(const Instr& in) const {
+    switch (in.op) {
+      case kLit:
+        return true;
+      case kLoad: {
+        const int32_t idx[4] = {in.b, in.c, in.d, in.e};
+        for (int x = 0; x < consts[in.a].ndim; ++x) {
+          if (!uniform[idx[x]]) return false;
+        }
+        return true;
+      }
+      case kIntegerPow:
+        return uniform[in.a] != 0;
+      default:
+        break;
+    }
+    const int32_t regs[3] = {in.a, in.b, in.c};
+    for (int32_t r : regs) {
+      if (r >= 0 && !uniform[r]) return false;
+    }
+    return true;
   }
 };
 
@@ -215,15 +245,121 @@ inline float* Reg(float* regs, int32_t r) { return regs + int64_t{r} * kChunk; }
 
 }  // namespace program_detail
 
+// Instruction `in` on elements [0, n) of the registers.
+inline void EvalInstr(const ScoreProgram& prog, const ScoreProgram::Instr& in, float* regs,
+                      int64_t n) {
+  using namespace program_detail;
+  float* y = Reg(regs, in.dst);
+  const float* a = in.a >= 0 && in.op != kLit && in.op != kLoad ? Reg(regs, in.a) : nullptr;
+  const float* b = in.b >= 0 && in.op != kLoad && in.op != kIntegerPow ? Reg(regs, in.b)
+                                                                        : nullptr;
+  const float* c = in.c >= 0 && in.op != kLoad ? Reg(regs, in.c) : nullptr;
+  switch (in.op) {
+    case kLit:
+      std::fill(y, y + n, prog.literals[in.a]);
+      break;
+    case kLoad: {
+      const ScoreProgram::Const& k = prog.consts[in.a];
+      const float* idx[4] = {nullptr, nullptr, nullptr, nullptr};
+      const int32_t regs_of[4] = {in.b, in.c, in.d, in.e};
+      for (int x = 0; x < k.ndim; ++x) idx[x] = Reg(regs, regs_of[x]);
+      const float* base = prog.data + k.offset;
+      for (int64_t e = 0; e < n; ++e) y[e] = base[LoadIndex(k, idx, e)];
+      break;
+    }
+    case kCopy: case kStop: std::copy(a, a + n, y); break;
+    case kNeg: for (int64_t e = 0; e < n; ++e) y[e] = -a[e]; break;
+    case kAbs: for (int64_t e = 0; e < n; ++e) y[e] = std::fabs(a[e]); break;
+    case kSign:
+      for (int64_t e = 0; e < n; ++e) {
+        y[e] = a[e] > 0.0f ? 1.0f : a[e] < 0.0f ? -1.0f : a[e];  // 0, -0 and NaN stay
+      }
+      break;
+    case kFloor: for (int64_t e = 0; e < n; ++e) y[e] = std::floor(a[e]); break;
+    case kCeil: for (int64_t e = 0; e < n; ++e) y[e] = std::ceil(a[e]); break;
+    case kRoundEven: for (int64_t e = 0; e < n; ++e) y[e] = RoundEven(a[e]); break;
+    case kRoundAway: for (int64_t e = 0; e < n; ++e) y[e] = RoundAway(a[e]); break;
+    case kTrunc: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != a[e] ? 0.0f : std::trunc(a[e]); break;
+    case kExp:
+      for (int64_t e = 0; e < n; e += kLanes) {
+        VecF x = Load(a + e);
+        Store(y + e, x > 88.72f ? Splat(kInf) : Exp(x));
+      }
+      break;
+    case kExp2: for (int64_t e = 0; e < n; ++e) y[e] = std::exp2(a[e]); break;
+    case kLog: for (int64_t e = 0; e < n; ++e) y[e] = std::log(a[e]); break;
+    case kLog1p: for (int64_t e = 0; e < n; ++e) y[e] = std::log1p(a[e]); break;
+    case kExpm1: for (int64_t e = 0; e < n; ++e) y[e] = std::expm1(a[e]); break;
+    case kTanh:
+      for (int64_t e = 0; e < n; e += kLanes) Store(y + e, Tanh(Load(a + e)));
+      break;
+    case kLogistic:
+      for (int64_t e = 0; e < n; ++e) y[e] = 1.0f / (1.0f + std::exp(-a[e]));
+      break;
+    case kSqrt: for (int64_t e = 0; e < n; ++e) y[e] = std::sqrt(a[e]); break;
+    case kRsqrt: for (int64_t e = 0; e < n; ++e) y[e] = 1.0f / std::sqrt(a[e]); break;
+    case kNot: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != 0.0f ? 0.0f : 1.0f; break;
+    case kNonzero: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != 0.0f ? 1.0f : 0.0f; break;
+    case kIntegerPow: for (int64_t e = 0; e < n; ++e) y[e] = IntegerPow(a[e], in.b); break;
+    case kAdd: for (int64_t e = 0; e < n; ++e) y[e] = a[e] + b[e]; break;
+    case kSub: for (int64_t e = 0; e < n; ++e) y[e] = a[e] - b[e]; break;
+    case kMul: for (int64_t e = 0; e < n; ++e) y[e] = a[e] * b[e]; break;
+    case kDiv: for (int64_t e = 0; e < n; ++e) y[e] = a[e] / b[e]; break;
+    case kIdiv: for (int64_t e = 0; e < n; ++e) y[e] = Idiv(a[e], b[e]); break;
+    case kRem:  // C's fmod; the translation spells XLA's integer x % 0 = x around it
+      for (int64_t e = 0; e < n; ++e) y[e] = std::fmod(a[e], b[e]);
+      break;
+    case kMax:
+      for (int64_t e = 0; e < n; ++e) {
+        y[e] = a[e] != a[e] || b[e] != b[e] ? a[e] + b[e] : std::max(a[e], b[e]);
+      }
+      break;
+    case kMin:
+      for (int64_t e = 0; e < n; ++e) {
+        y[e] = a[e] != a[e] || b[e] != b[e] ? a[e] + b[e] : std::min(a[e], b[e]);
+      }
+      break;
+    case kPow: for (int64_t e = 0; e < n; ++e) y[e] = std::pow(a[e], b[e]); break;
+    case kLt: for (int64_t e = 0; e < n; ++e) y[e] = a[e] < b[e] ? 1.0f : 0.0f; break;
+    case kLe: for (int64_t e = 0; e < n; ++e) y[e] = a[e] <= b[e] ? 1.0f : 0.0f; break;
+    case kGt: for (int64_t e = 0; e < n; ++e) y[e] = a[e] > b[e] ? 1.0f : 0.0f; break;
+    case kGe: for (int64_t e = 0; e < n; ++e) y[e] = a[e] >= b[e] ? 1.0f : 0.0f; break;
+    case kEq: for (int64_t e = 0; e < n; ++e) y[e] = a[e] == b[e] ? 1.0f : 0.0f; break;
+    case kNe: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != b[e] ? 1.0f : 0.0f; break;
+    case kAnd:
+      for (int64_t e = 0; e < n; ++e) y[e] = (a[e] != 0.0f && b[e] != 0.0f) ? 1.0f : 0.0f;
+      break;
+    case kOr:
+      for (int64_t e = 0; e < n; ++e) y[e] = (a[e] != 0.0f || b[e] != 0.0f) ? 1.0f : 0.0f;
+      break;
+    case kXor:
+      for (int64_t e = 0; e < n; ++e) y[e] = ((a[e] != 0.0f) != (b[e] != 0.0f)) ? 1.0f : 0.0f;
+      break;
+    case kSelect:
+      for (int64_t e = 0; e < n; ++e) y[e] = a[e] != 0.0f ? c[e] : b[e];
+      break;
+    case kClamp:
+      for (int64_t e = 0; e < n; ++e) y[e] = std::min(std::max(b[e], a[e]), c[e]);
+      break;
+    default:
+      break;  // Parse rejected every other opcode
+  }
+
+}
+
 // Fills the registers of one chunk: keys [r0, r0 + rows) of the tile (n = rows * kBlockQ
-// elements, element e = row * kBlockQ + lane) from `score` (n floats).
+// elements, element e = row * kBlockQ + lane) from `score` (n floats). Uniform registers are
+// computed on the tile's first chunk (r0 == 0) only, once, and filled over the chunk.
 inline void RunProgramChunk(const ScoreProgram& prog, const ProgramSite& site, int64_t r0,
                             int64_t rows, const float* score, float* regs) {
   using namespace program_detail;
   const int64_t n = rows * kBlockQ;
+  const bool first = r0 == 0;
   std::copy(score, score + n, Reg(regs, 0));
-  std::fill(Reg(regs, 1), Reg(regs, 1) + n, site.batch);
-  std::fill(Reg(regs, 2), Reg(regs, 2) + n, site.head);
+  if (first) {
+    std::fill(Reg(regs, 1), Reg(regs, 1) + kChunk, site.batch);
+    std::fill(Reg(regs, 2), Reg(regs, 2) + kChunk, site.head);
+  }
   float* qi = Reg(regs, 3);
   float* ki = Reg(regs, 4);
   for (int64_t r = 0; r < rows; ++r) {
@@ -233,110 +369,25 @@ inline void RunProgramChunk(const ScoreProgram& prog, const ProgramSite& site, i
     }
   }
   for (const ScoreProgram::Instr& in : prog.instrs) {
-    float* y = Reg(regs, in.dst);
-    const float* a = in.a >= 0 && in.op != kLit && in.op != kLoad ? Reg(regs, in.a) : nullptr;
-    const float* b = in.b >= 0 && in.op != kLoad && in.op != kIntegerPow ? Reg(regs, in.b)
-                                                                          : nullptr;
-    const float* c = in.c >= 0 && in.op != kLoad ? Reg(regs, in.c) : nullptr;
-    switch (in.op) {
-      case kLit:
-        std::fill(y, y + n, prog.literals[in.a]);
-        break;
-      case kLoad: {
-        const ScoreProgram::Const& k = prog.consts[in.a];
-        const float* idx[4] = {nullptr, nullptr, nullptr, nullptr};
-        const int32_t regs_of[4] = {in.b, in.c, in.d, in.e};
-        for (int x = 0; x < k.ndim; ++x) idx[x] = Reg(regs, regs_of[x]);
-        const float* base = prog.data + k.offset;
-        for (int64_t e = 0; e < n; ++e) y[e] = base[LoadIndex(k, idx, e)];
-        break;
-      }
-      case kCopy: case kStop: std::copy(a, a + n, y); break;
-      case kNeg: for (int64_t e = 0; e < n; ++e) y[e] = -a[e]; break;
-      case kAbs: for (int64_t e = 0; e < n; ++e) y[e] = std::fabs(a[e]); break;
-      case kSign:
-        for (int64_t e = 0; e < n; ++e) {
-          y[e] = a[e] > 0.0f ? 1.0f : a[e] < 0.0f ? -1.0f : a[e];  // 0, -0 and NaN stay
-        }
-        break;
-      case kFloor: for (int64_t e = 0; e < n; ++e) y[e] = std::floor(a[e]); break;
-      case kCeil: for (int64_t e = 0; e < n; ++e) y[e] = std::ceil(a[e]); break;
-      case kRoundEven: for (int64_t e = 0; e < n; ++e) y[e] = RoundEven(a[e]); break;
-      case kRoundAway: for (int64_t e = 0; e < n; ++e) y[e] = RoundAway(a[e]); break;
-      case kTrunc: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != a[e] ? 0.0f : std::trunc(a[e]); break;
-      case kExp:
-        for (int64_t e = 0; e < n; e += kLanes) {
-          VecF x = Load(a + e);
-          Store(y + e, x > 88.72f ? Splat(kInf) : Exp(x));
-        }
-        break;
-      case kExp2: for (int64_t e = 0; e < n; ++e) y[e] = std::exp2(a[e]); break;
-      case kLog: for (int64_t e = 0; e < n; ++e) y[e] = std::log(a[e]); break;
-      case kLog1p: for (int64_t e = 0; e < n; ++e) y[e] = std::log1p(a[e]); break;
-      case kExpm1: for (int64_t e = 0; e < n; ++e) y[e] = std::expm1(a[e]); break;
-      case kTanh:
-        for (int64_t e = 0; e < n; e += kLanes) Store(y + e, Tanh(Load(a + e)));
-        break;
-      case kLogistic:
-        for (int64_t e = 0; e < n; ++e) y[e] = 1.0f / (1.0f + std::exp(-a[e]));
-        break;
-      case kSqrt: for (int64_t e = 0; e < n; ++e) y[e] = std::sqrt(a[e]); break;
-      case kRsqrt: for (int64_t e = 0; e < n; ++e) y[e] = 1.0f / std::sqrt(a[e]); break;
-      case kNot: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != 0.0f ? 0.0f : 1.0f; break;
-      case kNonzero: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != 0.0f ? 1.0f : 0.0f; break;
-      case kIntegerPow: for (int64_t e = 0; e < n; ++e) y[e] = IntegerPow(a[e], in.b); break;
-      case kAdd: for (int64_t e = 0; e < n; ++e) y[e] = a[e] + b[e]; break;
-      case kSub: for (int64_t e = 0; e < n; ++e) y[e] = a[e] - b[e]; break;
-      case kMul: for (int64_t e = 0; e < n; ++e) y[e] = a[e] * b[e]; break;
-      case kDiv: for (int64_t e = 0; e < n; ++e) y[e] = a[e] / b[e]; break;
-      case kIdiv: for (int64_t e = 0; e < n; ++e) y[e] = Idiv(a[e], b[e]); break;
-      case kRem:  // C's fmod; the translation spells XLA's integer x % 0 = x around it
-        for (int64_t e = 0; e < n; ++e) y[e] = std::fmod(a[e], b[e]);
-        break;
-      case kMax:
-        for (int64_t e = 0; e < n; ++e) {
-          y[e] = a[e] != a[e] || b[e] != b[e] ? a[e] + b[e] : std::max(a[e], b[e]);
-        }
-        break;
-      case kMin:
-        for (int64_t e = 0; e < n; ++e) {
-          y[e] = a[e] != a[e] || b[e] != b[e] ? a[e] + b[e] : std::min(a[e], b[e]);
-        }
-        break;
-      case kPow: for (int64_t e = 0; e < n; ++e) y[e] = std::pow(a[e], b[e]); break;
-      case kLt: for (int64_t e = 0; e < n; ++e) y[e] = a[e] < b[e] ? 1.0f : 0.0f; break;
-      case kLe: for (int64_t e = 0; e < n; ++e) y[e] = a[e] <= b[e] ? 1.0f : 0.0f; break;
-      case kGt: for (int64_t e = 0; e < n; ++e) y[e] = a[e] > b[e] ? 1.0f : 0.0f; break;
-      case kGe: for (int64_t e = 0; e < n; ++e) y[e] = a[e] >= b[e] ? 1.0f : 0.0f; break;
-      case kEq: for (int64_t e = 0; e < n; ++e) y[e] = a[e] == b[e] ? 1.0f : 0.0f; break;
-      case kNe: for (int64_t e = 0; e < n; ++e) y[e] = a[e] != b[e] ? 1.0f : 0.0f; break;
-      case kAnd:
-        for (int64_t e = 0; e < n; ++e) y[e] = (a[e] != 0.0f && b[e] != 0.0f) ? 1.0f : 0.0f;
-        break;
-      case kOr:
-        for (int64_t e = 0; e < n; ++e) y[e] = (a[e] != 0.0f || b[e] != 0.0f) ? 1.0f : 0.0f;
-        break;
-      case kXor:
-        for (int64_t e = 0; e < n; ++e) y[e] = ((a[e] != 0.0f) != (b[e] != 0.0f)) ? 1.0f : 0.0f;
-        break;
-      case kSelect:
-        for (int64_t e = 0; e < n; ++e) y[e] = a[e] != 0.0f ? c[e] : b[e];
-        break;
-      case kClamp:
-        for (int64_t e = 0; e < n; ++e) y[e] = std::min(std::max(b[e], a[e]), c[e]);
-        break;
-      default:
-        break;  // Parse rejected every other opcode
+    if (!prog.uniform[in.dst]) {
+      EvalInstr(prog, in, regs, n);
+    } else if (first) {
+      EvalInstr(prog, in, regs, 1);
+      float* y = Reg(regs, in.dst);
+      std::fill(y + 1, y + kChunk, y[0]);
     }
   }
 }
 
 // The modified scores of a tile in place: st[r * kBlockQ + lane] for keys r < nk. `raw`, when
 // not null, keeps the scores the program read (the backward recomputes from them).
+// `apply_mask` false: mask_mod is known to keep every pair of the tile (its block table).
 inline void ApplyScoreProgram(const ScoreProgram& prog, const ProgramSite& site, int64_t nk,
-                              float* st, float* raw, std::vector<float>& regs) {
-  regs.resize(static_cast<size_t>(prog.n_regs) * kChunk);
+                              float* st, float* raw, std::vector<float>& regs,
+                              bool apply_mask = true) {
   if (raw != nullptr) std::copy(st, st + nk * kBlockQ, raw);
+  if (prog.score_out < 0 && !apply_mask) return;
+  regs.resize(static_cast<size_t>(prog.n_regs) * kChunk);
   for (int64_t r0 = 0; r0 < nk; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, nk - r0);
     float* s = st + r0 * kBlockQ;
@@ -346,7 +397,7 @@ inline void ApplyScoreProgram(const ScoreProgram& prog, const ProgramSite& site,
       const float* y = program_detail::Reg(regs.data(), prog.score_out);
       std::copy(y, y + n, s);
     }
-    if (prog.mask_out >= 0) {
+    if (prog.mask_out >= 0 && apply_mask) {
       const float* m = program_detail::Reg(regs.data(), prog.mask_out);
       for (int64_t e = 0; e < n; ++e) s[e] = m[e] != 0.0f ? s[e] : -kInf;
     }
@@ -399,6 +450,12 @@ inline void ScoreProgramBackward(const ScoreProgram& prog, const ProgramSite& si
           const int32_t regs_of[4] = {in.b, in.c, in.d, in.e};
           for (int x = 0; x < k.ndim; ++x) idx[x] = Reg(regs.data(), regs_of[x]);
           float* base = dconsts + k.offset;
+          if (prog.uniform[in.dst]) {  // one element of the const: the chunk's sum, once
+            float sum = 0.0f;
+            for (int64_t e = 0; e < n; ++e) sum += g[e] != 0.0f ? gy[e] : 0.0f;
+            base[LoadIndex(k, idx, 0)] += sum;
+            break;
+          }
           for (int64_t e = 0; e < n; ++e) {
             if (g[e] != 0.0f) base[LoadIndex(k, idx, e)] += gy[e];
           }

@@ -213,9 +213,11 @@ def _tile_table(dense: np.ndarray, bq: int, bk: int) -> np.ndarray:
 
 
 def tiles_of(dense: np.ndarray, tile: int) -> np.ndarray:
-    """int32 `[B|1, Hq|1, ceil(Sq/tile), ceil(Skv/tile)]`: 1 where some pair of the tile is
-    visible; a dim of size 1 where every batch row (head) has the same table."""
-    table = _tile_table(dense, tile, tile).astype(np.int32)
+    """int32 `[B|1, Hq|1, ceil(Sq/tile), ceil(Skv/tile)]`: 0 where mask_mod hides every pair of
+    the tile, 2 where it shows every pair (the part of the tile inside the arrays), else 1; a
+    dim of size 1 where every batch row (head) has the same table."""
+    whole = ~_tile_table(~dense, tile, tile)  # (the padding past the arrays hides nothing)
+    table = _tile_table(dense, tile, tile).astype(np.int32) + whole.astype(np.int32)
     if (table == table[:1]).all():
         table = table[:1]
     if (table == table[:, :1]).all():

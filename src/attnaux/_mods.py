@@ -113,8 +113,9 @@ def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
     if program is not None:
         tiles = ""
         if tile_mask is not None:
-            tiles = (f"; mask_mod's block table keeps {float(tile_mask.mean()):.1%} of the 64 x "
-                     "64 tiles (the causal/window/length rules skip more)")
+            kept = float((tile_mask > 0).mean())
+            tiles = (f"; mask_mod's block table keeps {kept:.1%} of the 64 x 64 tiles (the "
+                     "causal/window/length rules skip more)")
         elif why_not:
             tiles = f"; {why_not}: no tile skipped by it"
         flash = (f"the functions run inside the C++ kernels as a score program of "
