@@ -132,8 +132,8 @@ def attention(
     - `key`: a JAX PRNG key for dropout (keyword-only).
     - `return_probs`: also return the full probabilities in `aux.probs`.
     - `backend`: `"auto"` (default), `"flash"`, `"probs"`, `"small_seq"` or `"reference"`
-      (and `"flex"` with `score_mod`/`mask_mod`). See [`attnaux.explain`][] for what `"auto"`
-      picks and why.
+      (with `score_mod`/`mask_mod`: `"flash"` runs them inside the CPU kernels, `"flex"` is
+      the blockwise JAX path). See [`attnaux.explain`][] for what `"auto"` picks and why.
     - `score_mod`: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, a scalar function of
       one logit (after `scale` and `softcap`) and its integer indices (`batch` indexes the
       flattened leading dims); attnaux vectorises it. Arrays it closes over receive gradients.
@@ -216,7 +216,7 @@ def explain(q, k, v, **options) -> Explanation:
 
 
 def _explain_mods(q, k, v, score_mod, mask_mod, options) -> Explanation:
-    """`explain` for a call with `score_mod`/`mask_mod` (the flex path)."""
+    """`explain` for a call with `score_mod`/`mask_mod` (`_mods.choose_mods`)."""
     backend = options.pop("backend", "auto")
     statics = call_statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
