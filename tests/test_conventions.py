@@ -380,10 +380,20 @@ _THREAD_SCRIPT = textwrap.dedent(
         # a bias broadcast over the heads: its gradient is a sum over the heads
         "broadcast_bias": (problem(0, 3, 190, 263, 8, 2, 64, 48, jnp.float32, 1),
                            dict(causal="bottom_right")),
+        # decode (decode_cpu.h): chunks of keys merged in order; 12 rows per kv head (the
+        # matrix-product form) and 1 row (the dot-product form)
+        "decode_rows": (problem(3, 2, 3, 5000, 8, 2, 64, 64, jnp.float32, 1),
+                        dict(no_bias=True, kv_seqlens=jnp.asarray([5000, 4100]))),
+        "decode_one": (problem(4, 2, 1, 4500, 4, 4, 64, 64, jnp.bfloat16, 1),
+                       dict(no_bias=True, softcap=20.0)),
     }
     for name, ((q, k, v, bias, d_out, d_lse), options) in CASES.items():
+        options = dict(options)
+        use_bias = not options.pop("no_bias", False)
+
         def f(q, k, v, bias):
-            out, aux = attnaux.attention(q, k, v, bias=bias, backend="flash", **options)
+            out, aux = attnaux.attention(q, k, v, bias=bias if use_bias else None,
+                                         backend="flash", **options)
             return out, aux.lse, aux.max
         (out, lse, row_max), vjp = jax.vjp(f, q, k, v, bias)
         dq, dk, dv, dbias = vjp((d_out, d_lse, jnp.zeros_like(row_max)))
@@ -440,7 +450,7 @@ def _compare_thread_runs(runs, prefixes):
 
 @requires_flash
 def test_flash_results_do_not_depend_on_threads(thread_runs):
-    _compare_thread_runs(thread_runs, ("gqa.", "long.", "bf16."))
+    _compare_thread_runs(thread_runs, ("gqa.", "long.", "bf16.", "decode_rows.", "decode_one."))
 
 
 @requires_flash

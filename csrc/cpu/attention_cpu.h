@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/attention_params.h"
+#include "cpu/attention_io.h"
 #include "cpu/attention_mask.h"
 #include "cpu/attention_tile.h"
 #include "cpu/cpu_gemm.h"
@@ -38,29 +39,6 @@
 #include "cpu/score_program.h"
 
 namespace attnaux::cpu {
-
-struct ForwardOutputs {
-  void* out = nullptr;
-  float* lse = nullptr;
-  float* max = nullptr;
-};
-
-struct BackwardInputs {
-  const void* out = nullptr;
-  const void* dout = nullptr;
-  const float* lse = nullptr;
-  const float* dlse = nullptr;
-};
-
-struct BackwardOutputs {
-  void* dq = nullptr;
-  void* dk = nullptr;
-  void* dv = nullptr;
-  float* dbias = nullptr;  // [B, Hq, Sq, Skv] when a bias is given, else nullptr
-  // [B, Hq, score_consts size] with a score program: each (batch, head)'s share of the
-  // gradient of its consts (summed by the caller), else nullptr
-  float* dconsts = nullptr;
-};
 
 // Packed float32 K and V of one (batch, kv head); keys at or beyond kv_seqlens are zero.
 //   kt: [nkb][D][BK]   (K^T per key block)      v_rows: [nkb*BK][Dv]

@@ -9,6 +9,7 @@
 #include "common/ffi_shapes.h"
 #include "cpu/attention_cpu.h"
 #include "cpu/cpu_memory.h"
+#include "cpu/decode_cpu.h"
 #include "cpu/score_program.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -86,7 +87,11 @@ ffi::Error FlashForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   outputs.out = out->untyped_data();
   outputs.lse = lse->typed_data();
   outputs.max = max->typed_data();
-  FlashForward(p, outputs, &pool);
+  if (DecodeApplies(p)) {
+    DecodeForward(p, outputs, &pool);  // a few query rows: at memory speed
+  } else {
+    FlashForward(p, outputs, &pool);
+  }
   return ffi::Error::Success();
 }
 
@@ -143,7 +148,11 @@ ffi::Error FlashBackwardImpl(
   outputs.dk = dk->untyped_data();
   outputs.dv = dv->untyped_data();
   outputs.dbias = p.bias != nullptr ? dbias->typed_data() : nullptr;
-  FlashBackward(p, inputs, outputs, &pool);
+  if (DecodeApplies(p)) {
+    DecodeBackward(p, inputs, outputs, &pool);
+  } else {
+    FlashBackward(p, inputs, outputs, &pool);
+  }
   return ffi::Error::Success();
 }
 
@@ -209,7 +218,11 @@ ffi::Error FlashModForwardImpl(
   outputs.out = out->untyped_data();
   outputs.lse = lse->typed_data();
   outputs.max = max->typed_data();
-  FlashForward(p, outputs, &pool);
+  if (DecodeApplies(p)) {
+    DecodeForward(p, outputs, &pool);  // a few query rows: at memory speed
+  } else {
+    FlashForward(p, outputs, &pool);
+  }
   return ffi::Error::Success();
 }
 
@@ -264,7 +277,11 @@ ffi::Error FlashModBackwardImpl(
   outputs.dk = dk->untyped_data();
   outputs.dv = dv->untyped_data();
   outputs.dconsts = dconsts->typed_data();
-  FlashBackward(p, inputs, outputs, &pool);
+  if (DecodeApplies(p)) {
+    DecodeBackward(p, inputs, outputs, &pool);
+  } else {
+    FlashBackward(p, inputs, outputs, &pool);
+  }
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,566 @@
+// Decode on the CPU: a few query rows (q_seq <= kDecodeMaxQ) against a long KV cache, forward
+// and backward, at memory speed.
+//
+// The tiled kernels (attention_cpu.h) put 64 query rows in the vector lanes; with one query row
+// 63 of 64 lanes compute nothing and K and V stream at a tenth of what memory gives. Here one
+// task owns a (batch, kv head, chunk of kDecodeChunk keys) and all the query rows that read that
+// kv head (the GQA group x q_seq, "rows"), so K and V are read once for all of them; the head
+// dimension is in the vector lanes: a score is a dot product (FMAs over the head dim, one
+// horizontal sum), the output row accumulates p * v rows. The chunks are fixed by the shapes, never
+// by the threads, and their partial results (row max, row sum, unnormalised output; and dq in the
+// backward) are merged in chunk order, so results do not depend on the thread count.
+//
+// Served here (DecodeApplies): lengths, causal (both alignments, block shifts), window, softcap,
+// sink, GQA, every dtype. Bias, mask, segment ids, dropout and score programs take the tiled
+// kernels. A key or value row with NaN that a row does not see never reaches it (its p and dS are
+// exactly 0 and skipped, not multiplied).
+#ifndef ATTNAUX_CSRC_CPU_DECODE_CPU_H_
+#define ATTNAUX_CSRC_CPU_DECODE_CPU_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/attention_params.h"
+#include "cpu/attention_io.h"
+#include "cpu/attention_mask.h"
+#include "cpu/attention_tile.h"
+#include "cpu/cpu_gemm.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/cpu_simd.h"
+
+namespace attnaux::cpu {
+
+inline constexpr int64_t kDecodeMaxQ = 16;     // query rows per head served here
+inline constexpr int64_t kDecodeMaxRows = 64;  // GQA group x q_seq
+inline constexpr int64_t kDecodeChunk = 2048;  // keys per task (fixed: thread-independent)
+inline constexpr int64_t kDecodeTile = 32;     // keys converted and scored at a time
+inline constexpr int64_t kDecodeGemmRows = 8;
+inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V  // rows per kv head from which S is a GEMM
+
+inline bool DecodeApplies(const AttentionParams& p) {
+  return p.q_len >= 1 && p.q_len <= kDecodeMaxQ && p.group() * p.q_len <= kDecodeMaxRows &&
+         p.bias == nullptr && p.mask == nullptr && p.q_segment_ids == nullptr &&
+         p.rng_state == nullptr && p.score_program == nullptr && p.tile_mask == nullptr;
+}
+
+namespace decode_detail {
+
+inline float Dot(const float* a, const float* b, int64_t n_padded) {
+  // two accumulators: half the FMA latency chain, so more loads are in flight
+  VecF acc0 = VecF{}, acc1 = VecF{};
+  int64_t x = 0;
+  for (; x + 2 * kLanes <= n_padded; x += 2 * kLanes) {
+    acc0 += Load(a + x) * Load(b + x);
+    acc1 += Load(a + x + kLanes) * Load(b + x + kLanes);
+  }
+  if (x < n_padded) acc0 += Load(a + x) * Load(b + x);
+  const VecF acc = acc0 + acc1;
+  float sum = 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) sum += acc[lane];
+  return sum;
+}
+
+// Asks for the `bytes` at `p` ahead of their use (the stream of K or V rows).
+inline void Prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 3);
+}
+
+// Whether all values of a padded row are finite (x * 0 is 0 unless x is NaN or inf), a vector
+// at a time (the scalar AllFinite is one long dependency chain).
+inline bool FiniteRow(const float* x, int64_t n_padded) {
+  VecF acc = VecF{};
+  for (int64_t e = 0; e < n_padded; e += kLanes) acc += Load(x + e) * 0.0f;
+  bool ok = true;
+  for (int lane = 0; lane < kLanes; ++lane) ok &= acc[lane] == 0.0f;
+  return ok;
+}
+
+inline void Axpy(float alpha, const float* x, float* y, int64_t n_padded) {
+  const VecF a = Splat(alpha);
+  for (int64_t e = 0; e < n_padded; e += kLanes) Store(y + e, Load(y + e) + a * Load(x + e));
+}
+
+// C[keys][lanes] = K[keys][depth] B[depth][lanes] with K rows `dp` floats apart (a compile-time
+// row step for the register-blocked product).
+inline void GemmKeyRows(int64_t dp, int64_t rows, int64_t depth, const float* k, const float* b,
+                        int64_t ldb, int64_t width, float* c, int64_t ldc) {
+  switch (dp) {
+    case 64: GemmLanes<64>(rows, depth, k, 1, b, ldb, width, c, ldc, false); break;
+    case 128: GemmLanes<128>(rows, depth, k, 1, b, ldb, width, c, ldc, false); break;
+    default: GemmLanes<256>(rows, depth, k, 1, b, ldb, width, c, ldc, false); break;
+  }
+}
+
+// The rows of one (batch, kv head): query head h = hkv * group + g, query index i; row r =
+// g * q_len + i. Holds q (padded to whole vectors), each row's visible key range and validity.
+struct DecodeRows {
+  int64_t n = 0, d = 0, dp = 0;
+  std::vector<float> q;  // [n][dp]
+  std::vector<int64_t> lo, hi, head, qi;
+  std::vector<char> valid;
+  int64_t key_lo = 0, key_hi = 0;  // union of the valid rows' ranges
+
+  DecodeRows(const AttentionParams& p, int64_t b, int64_t hkv)
+      : n(p.group() * p.q_len), d(p.head_dim), dp(RoundUpLanes(p.head_dim)) {
+    const RowRanges ranges(p, b);
+    q.assign(n * dp, 0.0f);
+    lo.resize(n);
+    hi.resize(n);
+    head.resize(n);
+    qi.resize(n);
+    valid.resize(n);
+    key_lo = ranges.kl;
+    key_hi = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      head[r] = hkv * p.group() + r / p.q_len;
+      qi[r] = r % p.q_len;
+      valid[r] = qi[r] < ranges.ql;
+      lo[r] = valid[r] ? ranges.Lo(qi[r]) : 0;
+      hi[r] = valid[r] ? ranges.Hi(qi[r]) : 0;
+      if (valid[r] && lo[r] < hi[r]) {
+        key_lo = std::min(key_lo, lo[r]);
+        key_hi = std::max(key_hi, hi[r]);
+        LoadRow(p.elem, p.q, ((b * p.q_len + qi[r]) * p.q_heads + head[r]) * d, d,
+                q.data() + r * dp);
+      }
+    }
+    if (key_hi <= key_lo) key_lo = key_hi = 0;
+  }
+};
+
+// Rows [j0, j1) of K (or V) of (b, hkv) as float32, each padded to `width_p` with zeros.
+inline void LoadKeys(const AttentionParams& p, const void* base, int64_t width, int64_t width_p,
+                     int64_t b, int64_t hkv, int64_t j0, int64_t j1, float* dst) {
+  for (int64_t j = j0; j < j1; ++j) {
+    float* row = dst + (j - j0) * width_p;
+    LoadRow(p.elem, base, ((b * p.kv_len + j) * p.kv_heads + hkv) * width, width, row);
+    std::fill(row + width, row + width_p, 0.0f);
+  }
+}
+
+// The scores of rows x keys [j0, j1) with scale, softcap and the rows' ranges (-inf outside);
+// `tanh_out` (when not null) keeps the softcap's tanh for the backward.
+inline void DecodeScores(const AttentionParams& p, const DecodeRows& rows, const float* keys,
+                         int64_t j0, int64_t j1, float* s, float* tanh_out) {
+  const int64_t nk = j1 - j0;
+  for (int64_t r = 0; r < rows.n; ++r) {
+    float* sr = s + r * kDecodeTile;
+    std::fill(sr + nk, sr + kDecodeTile, -kInf);
+    const int64_t a = std::max(j0, rows.lo[r]), e = std::min(j1, rows.hi[r]);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (j < a || j >= e) {
+        sr[j - j0] = -kInf;
+        continue;
+      }
+      float x = Dot(rows.q.data() + r * rows.dp, keys + (j - j0) * rows.dp, rows.dp) * p.scale;
+      if (p.softcap > 0.0f) {
+        const float t = std::tanh(x / p.softcap);
+        if (tanh_out != nullptr) tanh_out[r * kDecodeTile + (j - j0)] = t;
+        x = p.softcap * t;
+      }
+      sr[j - j0] = x;
+    }
+  }
+}
+
+// The keys a chunk's task covers: [c0, c1) cut to the rows' union range.
+inline void ChunkKeys(const DecodeRows& rows, int64_t chunk, int64_t* c0, int64_t* c1) {
+  *c0 = std::max(rows.key_lo, chunk * kDecodeChunk);
+  *c1 = std::min(rows.key_hi, (chunk + 1) * kDecodeChunk);
+}
+
+}  // namespace decode_detail
+
+// One tile of keys [j0, j0 + nk) for every kv head's few rows (the dot path): the scores, then
+// the online softmax and P V, each pass reading K (then V) in memory order, a key's heads one
+// after another: strided reads (one head's keys are H * D apart) would leave the prefetchers
+// idle. `states`: each kv head's m[n], l[n], o[n][dvp], one after another.
+inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::DecodeRows>& heads,
+                    int64_t b, int64_t j0, int64_t nk, bool direct, float* states,
+                    std::vector<float>& kstage, std::vector<float>& vstage, std::vector<float>& s) {
+  using namespace decode_detail;
+  const int64_t n = p.group() * p.q_len, d = p.head_dim, dv = p.v_dim, hk = p.kv_heads;
+  const int64_t dp = RoundUpLanes(d), dvp = RoundUpLanes(dv);
+  const int64_t per_head = n * (dvp + 2);
+  auto key = [&](int64_t j, int64_t hkv) -> const float* {
+    const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+    if (direct) return static_cast<const float*>(p.k) + token * d;
+    float* row = kstage.data() + (hkv * kDecodeTile + j) * dp;
+    LoadRow(p.elem, p.k, token * d, d, row);
+    return row;
+  };
+  auto value = [&](int64_t j, int64_t hkv) -> const float* {
+    const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+    if (direct) return static_cast<const float*>(p.v) + token * dv;
+    float* row = vstage.data() + (hkv * kDecodeTile + j) * dvp;
+    LoadRow(p.elem, p.v, token * dv, dv, row);
+    return row;
+  };
+  // pass 1: scores, key-major
+  std::fill(s.begin(), s.end(), -kInf);
+  const int64_t elem_bytes = p.elem == Elem::kF32 ? 4 : 2;
+  const int64_t key_bytes = hk * d * elem_bytes, value_bytes = hk * dv * elem_bytes;
+  for (int64_t j = 0; j < nk; ++j) {
+    // the rows kPrefetchKeys keys ahead (all kv heads: contiguous)
+    if (kPrefetchKeys > 0 && j0 + j + kPrefetchKeys < p.kv_len) {
+      Prefetch(static_cast<const char*>(p.k) +
+                   ((b * p.kv_len + j0 + j + kPrefetchKeys) * hk) * d * elem_bytes, key_bytes);
+    }
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      const DecodeRows& rows = heads[hkv];
+      const float* k = key(j, hkv);
+      for (int64_t r = 0; r < n; ++r) {
+        if (j0 + j < rows.lo[r] || j0 + j >= rows.hi[r]) continue;
+        float x = Dot(rows.q.data() + r * dp, k, dp) * p.scale;
+        if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+        s[(hkv * n + r) * kDecodeTile + j] = x;
+      }
+    }
+  }
+  // the online softmax per row: rescale, P = exp(s - m)
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    float* m = states + hkv * per_head;
+    float* l = m + n;
+    float* o = l + n;
+    for (int64_t r = 0; r < n; ++r) {
+      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
+      float tile_max = -kInf;  // (NaN-propagating)
+      for (int64_t j = 0; j < nk; ++j) tile_max = sr[j] > tile_max || sr[j] != sr[j] ? sr[j] : tile_max;
+      if (tile_max == -kInf) {
+        std::fill(sr, sr + kDecodeTile, 0.0f);
+        continue;
+      }
+      const float m_new = std::max(m[r], tile_max);
+      const float alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
+      if (alpha != 1.0f) {
+        for (int64_t x = 0; x < dvp; ++x) o[r * dvp + x] *= alpha;
+      }
+      const VecF mv = Splat(m_new);
+      VecF sum = VecF{};
+      for (int64_t j = 0; j < kDecodeTile; j += kLanes) {
+        const VecF pr = Exp(Load(sr + j) - mv);  // Exp(-inf) is exactly 0
+        sum += pr;
+        Store(sr + j, pr);
+      }
+      float total = 0.0f;
+      for (int lane = 0; lane < kLanes; ++lane) total += sum[lane];
+      l[r] = l[r] * alpha + total;
+      m[r] = m_new;
+    }
+  }
+  // pass 2: P V, key-major; a key's P of 0 is skipped, so NaN in a hidden value never enters
+  for (int64_t j = 0; j < nk; ++j) {
+    if (kPrefetchKeys > 0 && j0 + j + kPrefetchKeys < p.kv_len) {
+      Prefetch(static_cast<const char*>(p.v) +
+                   ((b * p.kv_len + j0 + j + kPrefetchKeys) * hk) * dv * elem_bytes, value_bytes);
+    }
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      float* o = states + hkv * per_head + 2 * n;
+      const float* v = nullptr;
+      for (int64_t r = 0; r < n; ++r) {
+        const float pr = s[(hkv * n + r) * kDecodeTile + j];
+        if (pr == 0.0f) continue;
+        if (v == nullptr) v = value(j, hkv);
+        Axpy(pr, v, o + r * dvp, dvp);
+      }
+    }
+  }
+}
+
+// Forward: out, lse, max. One task per (batch row, chunk of keys) for every kv head. With few
+// rows per kv head, a score is one dot product over the head dim, read straight from K (float32)
+// or from the tile's converted rows; with kDecodeGemmRows or more, the rows sit in the vector
+// lanes, as in the tiled kernel: S^T = K Q^T and O^T += V^T P^T are small matrix products.
+inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& outputs,
+                          ffi::ThreadPool* pool) {
+  using namespace decode_detail;
+  const int64_t n = p.group() * p.q_len, d = p.head_dim, dv = p.v_dim, hk = p.kv_heads;
+  const int64_t dp = RoundUpLanes(d), dvp = RoundUpLanes(dv), np = RoundUpLanes(n);
+  const int64_t chunks = std::max<int64_t>(CeilDiv(p.kv_len, kDecodeChunk), 1);
+  const int64_t per_head = n * (dvp + 2);  // m[n], l[n], o[n][dvp]
+  const bool gemm = n >= kDecodeGemmRows && (dp == 64 || dp == 128 || dp == 256);
+  // float32 rows of whole vectors are read in place; others are converted per tile
+  const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
+  FloatBuffer partial(p.batch * chunks * hk * per_head);
+  auto state = [&](int64_t b, int64_t chunk, int64_t hkv) {
+    return partial.get() + ((b * chunks + chunk) * hk + hkv) * per_head;
+  };
+  auto state_of_chunk = [&](int64_t b, int64_t chunk) { return state(b, chunk, 0); };
+  ParallelFor(pool, p.batch * chunks, [&](int64_t t) {
+    const int64_t chunk = t % chunks, b = t / chunks;
+    std::vector<DecodeRows> heads;
+    heads.reserve(hk);
+    int64_t c0 = p.kv_len, c1 = 0;
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      heads.emplace_back(p, b, hkv);
+      int64_t a, e;
+      ChunkKeys(heads.back(), chunk, &a, &e);
+      if (a < e) {
+        c0 = std::min(c0, a);
+        c1 = std::max(c1, e);
+      }
+      float* m = state(b, chunk, hkv);
+      std::fill(m, m + n, -kInf);
+      std::fill(m + n, m + per_head, 0.0f);
+    }
+    std::vector<float> kstage(kDecodeTile * dp, 0.0f), vstage(kDecodeTile * dvp, 0.0f);
+    if (!gemm && !direct) {  // the dot path stages every kv head's rows of a tile
+      kstage.assign(hk * kDecodeTile * dp, 0.0f);
+      vstage.assign(hk * kDecodeTile * dvp, 0.0f);
+    }
+    const float* krow[kDecodeTile];
+    const float* vrow[kDecodeTile];
+    std::vector<float> s(hk * n * kDecodeTile);
+    // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head
+    std::vector<float> qt, ot, ml, ll, st;
+    if (gemm) {
+      qt.assign(hk * d * np, 0.0f);
+      ot.assign(hk * dvp * np, 0.0f);
+      ml.assign(hk * np, -kInf);
+      ll.assign(hk * np, 0.0f);
+      st.assign(kDecodeTile * np, 0.0f);
+      for (int64_t hkv = 0; hkv < hk; ++hkv) {
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t x = 0; x < d; ++x) qt[(hkv * d + x) * np + r] = heads[hkv].q[r * dp + x];
+        }
+      }
+    }
+    for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
+      const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
+      if (!gemm) {
+        DotTile(p, heads, b, j0, nk, direct, state_of_chunk(b, chunk), kstage, vstage, s);
+        continue;
+      }
+      for (int64_t hkv = 0; hkv < hk; ++hkv) {
+        const DecodeRows& rows = heads[hkv];
+        bool bad = false;
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+          if (direct) {
+            krow[j] = static_cast<const float*>(p.k) + token * d;
+            vrow[j] = static_cast<const float*>(p.v) + token * dv;
+          } else {
+            LoadRow(p.elem, p.k, token * d, d, kstage.data() + j * dp);
+            LoadRow(p.elem, p.v, token * dv, dv, vstage.data() + j * dvp);
+            krow[j] = kstage.data() + j * dp;
+            vrow[j] = vstage.data() + j * dvp;
+          }
+          bad |= !FiniteRow(vrow[j], dvp);
+        }
+        // Rows in the lanes: S^T [keys][np] = K Q^T
+        if (nk < kDecodeTile) {
+          std::fill(kstage.begin() + nk * dp, kstage.end(), 0.0f);
+          std::fill(vstage.begin() + nk * dvp, vstage.end(), 0.0f);
+        }
+        GemmKeyRows(dp, kDecodeTile, d, kstage.data(), qt.data() + hkv * d * np, np,
+                    np / kLanes, st.data(), np);
+        for (int64_t j = 0; j < kDecodeTile; ++j) {
+          float* sj = st.data() + j * np;
+          for (int64_t r = 0; r < np; ++r) {
+            const bool seen = r < n && j < nk && j0 + j >= rows.lo[r] && j0 + j < rows.hi[r];
+            float x = sj[r] * p.scale;
+            if (p.softcap > 0.0f && seen) x = p.softcap * std::tanh(x / p.softcap);
+            sj[r] = seen ? x : -kInf;
+          }
+        }
+        float* m = ml.data() + hkv * np;
+        float* l = ll.data() + hkv * np;
+        float* oth = ot.data() + hkv * dvp * np;
+        for (int64_t v = 0; v < np; v += kLanes) {
+          VecF tile_max = Splat(-kInf);
+          for (int64_t j = 0; j < kDecodeTile; ++j) tile_max = Max(tile_max, Load(st.data() + j * np + v));
+          const VecF m_old = Load(m + v);
+          const VecF m_new = Max(m_old, tile_max);
+          const VecF m_use = m_new == -kInf ? VecF{} : m_new;
+          const VecF alpha = Exp(m_old - m_use);
+          VecF sum = VecF{};
+          for (int64_t j = 0; j < kDecodeTile; ++j) {
+            float* sp = st.data() + j * np + v;
+            const VecF pr = Exp(Load(sp) - m_use);
+            sum += pr;
+            Store(sp, pr);
+          }
+          Store(l + v, Load(l + v) * alpha + sum);
+          Store(m + v, m_new);
+          for (int64_t x = 0; x < dvp; ++x) Store(oth + x * np + v, Load(oth + x * np + v) * alpha);
+        }
+        if (!bad) {  // O^T += V^T P^T (keys past nk have P = 0 and zero rows)
+          GemmLanes<1>(dv, kDecodeTile, vstage.data(), dvp, st.data(), np, np / kLanes, oth, np,
+                       true);
+        } else {  // a value row holds NaN or inf: only the keys a row sees
+          for (int64_t j = 0; j < nk; ++j) {
+            for (int64_t r = 0; r < n; ++r) {
+              const float pr = st[j * np + r];
+              if (pr == 0.0f) continue;
+              for (int64_t x = 0; x < dv; ++x) oth[x * np + r] += pr * vrow[j][x];
+            }
+          }
+        }
+      }
+    }
+    if (gemm) {  // the lane state into the chunk's partial results
+      for (int64_t hkv = 0; hkv < hk; ++hkv) {
+        float* m = state(b, chunk, hkv);
+        for (int64_t r = 0; r < n; ++r) {
+          m[r] = ml[hkv * np + r];
+          m[n + r] = ll[hkv * np + r];
+          for (int64_t x = 0; x < dv; ++x) m[2 * n + r * dvp + x] = ot[(hkv * dvp + x) * np + r];
+        }
+      }
+    }
+  });
+  // Merge the chunks in order; write out, lse, max.
+  ParallelFor(pool, p.batch * hk, [&](int64_t t) {
+    const int64_t hkv = t % hk, b = t / hk;
+    const DecodeRows rows(p, b, hkv);
+    std::vector<float> out_row(dvp);
+    for (int64_t r = 0; r < n; ++r) {
+      float mx = -kInf;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, state(b, c, hkv)[r]);
+      float sum = 0.0f;
+      std::fill(out_row.begin(), out_row.end(), 0.0f);
+      if (mx != -kInf) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* m = state(b, c, hkv);
+          if (m[r] == -kInf) continue;
+          const float w = std::exp(m[r] - mx);
+          sum += m[n + r] * w;
+          const float* orow = m + 2 * n + r * dvp;
+          for (int64_t x = 0; x < dv; ++x) out_row[x] += orow[x] * w;
+        }
+      }
+      const int64_t h = rows.head[r], i = rows.qi[r];
+      float lse = -kInf, factor = 0.0f;
+      const bool has_sink = p.sink != nullptr;
+      const float sink = has_sink ? p.sink[h] : -kInf;
+      if (!rows.valid[r]) {
+        mx = -kInf;
+        lse = has_sink ? sink : -kInf;
+      } else if (has_sink) {
+        const float big = std::max(mx, sink);
+        const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
+        const float denom = scaled + std::exp(sink - big);
+        lse = big + std::log(denom);
+        factor = mx == -kInf ? 0.0f : std::exp(mx - big) / denom;
+      } else if (mx != -kInf && sum > 0.0f) {
+        lse = mx + std::log(sum);
+        factor = 1.0f / sum;
+      }
+      const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
+      outputs.lse[stat] = lse;
+      outputs.max[stat] = mx;
+      for (int64_t x = 0; x < dv; ++x) out_row[x] = factor == 0.0f ? 0.0f : out_row[x] * factor;
+      StoreRow(p.elem, outputs.out, ((b * p.q_len + i) * p.q_heads + h) * dv, dv,
+               out_row.data());
+    }
+  });
+}
+
+// Backward: dq, dk, dv from the saved lse (FA2's formulas, as attention_cpu.h).
+inline void DecodeBackward(const AttentionParams& p, const BackwardInputs& in,
+                           const BackwardOutputs& outputs, ffi::ThreadPool* pool) {
+  using namespace decode_detail;
+  const int64_t n = p.group() * p.q_len, d = p.head_dim, dv = p.v_dim;
+  const int64_t dp = RoundUpLanes(d), dvp = RoundUpLanes(dv);
+  const int64_t chunks = std::max<int64_t>(CeilDiv(p.kv_len, kDecodeChunk), 1);
+  const int64_t tasks = p.batch * p.kv_heads * chunks;
+  FloatBuffer dq_partial(tasks * n * dp);
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    const int64_t chunk = t % chunks, hkv = (t / chunks) % p.kv_heads;
+    const int64_t b = t / (chunks * p.kv_heads);
+    float* dq = dq_partial.get() + t * n * dp;
+    std::fill(dq, dq + n * dp, 0.0f);
+    const DecodeRows rows(p, b, hkv);
+    // this chunk's keys; the rows' union range can be narrower: keys outside it get zeros
+    const int64_t k0 = std::min(chunk * kDecodeChunk, p.kv_len);
+    const int64_t k1 = std::min(k0 + kDecodeChunk, p.kv_len);
+    int64_t c0, c1;
+    ChunkKeys(rows, chunk, &c0, &c1);
+    std::vector<float> zeros(std::max(d, dv), 0.0f);
+    auto zero_rows = [&](int64_t a, int64_t e) {
+      for (int64_t j = a; j < e; ++j) {
+        const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
+        StoreRow(p.elem, outputs.dk, token * d, d, zeros.data());
+        StoreRow(p.elem, outputs.dv, token * dv, dv, zeros.data());
+      }
+    };
+    if (c1 <= c0) {
+      zero_rows(k0, k1);
+      return;
+    }
+    zero_rows(k0, c0);
+    zero_rows(c1, k1);
+    // per row: dO (padded), lse, D = dO . O - dlse
+    std::vector<float> dout(n * dvp, 0.0f), lse(n, kInf), drow(n, 0.0f), tmp(dv);
+    for (int64_t r = 0; r < n; ++r) {
+      if (!rows.valid[r]) continue;
+      const int64_t token = (b * p.q_len + rows.qi[r]) * p.q_heads + rows.head[r];
+      LoadRow(p.elem, in.dout, token * dv, dv, dout.data() + r * dvp);
+      LoadRow(p.elem, in.out, token * dv, dv, tmp.data());
+      float dot = 0.0f;
+      for (int64_t x = 0; x < dv; ++x) dot += dout[r * dvp + x] * tmp[x];
+      const int64_t stat = (b * p.q_heads + rows.head[r]) * p.q_len + rows.qi[r];
+      drow[r] = dot - in.dlse[stat];
+      lse[r] = in.lse[stat] == -kInf ? kInf : in.lse[stat];
+    }
+    std::vector<float> keys(kDecodeTile * dp), values(kDecodeTile * dvp);
+    std::vector<float> s(n * kDecodeTile), th(p.softcap > 0.0f ? n * kDecodeTile : 0);
+    std::vector<float> dk_row(dp), dv_row(dvp);
+    for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
+      const int64_t j1 = std::min(j0 + kDecodeTile, c1);
+      LoadKeys(p, p.k, d, dp, b, hkv, j0, j1, keys.data());
+      LoadKeys(p, p.v, dv, dvp, b, hkv, j0, j1, values.data());
+      DecodeScores(p, rows, keys.data(), j0, j1, s.data(), th.empty() ? nullptr : th.data());
+      for (int64_t r = 0; r < n; ++r) {  // P = exp(s - lse), in place, a vector at a time
+        float* sr = s.data() + r * kDecodeTile;
+        const VecF lv = Splat(lse[r]);
+        for (int64_t j = 0; j < kDecodeTile; j += kLanes) Store(sr + j, Exp(Load(sr + j) - lv));
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* kj = keys.data() + (j - j0) * dp;
+        const float* vj = values.data() + (j - j0) * dvp;
+        std::fill(dk_row.begin(), dk_row.end(), 0.0f);
+        std::fill(dv_row.begin(), dv_row.end(), 0.0f);
+        for (int64_t r = 0; r < n; ++r) {
+          const float pr = s[r * kDecodeTile + (j - j0)];
+          if (pr == 0.0f) continue;  // exactly nothing reaches this key from this row
+          Axpy(pr, dout.data() + r * dvp, dv_row.data(), dvp);
+          float ds = pr * (Dot(dout.data() + r * dvp, vj, dvp) - drow[r]);
+          if (!th.empty()) {
+            const float tv = th[r * kDecodeTile + (j - j0)];
+            ds *= 1.0f - tv * tv;
+          }
+          if (ds == 0.0f) continue;
+          Axpy(ds, rows.q.data() + r * dp, dk_row.data(), dp);
+          Axpy(ds, kj, dq + r * dp, dp);
+        }
+        const int64_t token = (b * p.kv_len + j) * p.kv_heads + hkv;
+        for (int64_t x = 0; x < d; ++x) dk_row[x] *= p.scale;
+        StoreRow(p.elem, outputs.dk, token * d, d, dk_row.data());
+        StoreRow(p.elem, outputs.dv, token * dv, dv, dv_row.data());
+      }
+    }
+  });
+  // dq: the chunks' shares in chunk order.
+  ParallelFor(pool, p.batch * p.kv_heads, [&](int64_t t) {
+    const int64_t hkv = t % p.kv_heads, b = t / p.kv_heads;
+    std::vector<float> row(dp);
+    for (int64_t r = 0; r < n; ++r) {
+      std::fill(row.begin(), row.end(), 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = dq_partial.get() + ((t * chunks + c) * n + r) * dp;
+        for (int64_t x = 0; x < d; ++x) row[x] += part[x];
+      }
+      for (int64_t x = 0; x < d; ++x) row[x] *= p.scale;
+      const int64_t h = hkv * p.group() + r / p.q_len, i = r % p.q_len;
+      StoreRow(p.elem, outputs.dq, ((b * p.q_len + i) * p.q_heads + h) * d, d, row.data());
+    }
+  });
+}
+
+}  // namespace attnaux::cpu
+
+#endif  // ATTNAUX_CSRC_CPU_DECODE_CPU_H_
