@@ -307,12 +307,10 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       std::fill(m + n, m + per_head, 0.0f);
     }
     std::vector<float> kstage(kDecodeTile * dp, 0.0f), vstage(kDecodeTile * dvp, 0.0f);
-    if (!gemm && !direct) {  // the dot path stages every kv head's rows of a tile
+    if (!direct) {  // every kv head's rows of a tile
       kstage.assign(hk * kDecodeTile * dp, 0.0f);
       vstage.assign(hk * kDecodeTile * dvp, 0.0f);
     }
-    const float* krow[kDecodeTile];
-    const float* vrow[kDecodeTile];
     std::vector<float> s(hk * n * kDecodeTile);
     // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head
     std::vector<float> qt, ot, ml, ll, st;
@@ -334,28 +332,29 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         DotTile(p, heads, b, j0, nk, direct, state_of_chunk(b, chunk), kstage, vstage, s);
         continue;
       }
+      // the tile's K and V rows of every kv head, read in memory order (a key's heads are
+      // contiguous), converted to float32: [hk][kDecodeTile][dp] (keys past nk zero)
+      std::vector<char> bad(hk, 0);
+      if (nk < kDecodeTile) {
+        std::fill(kstage.begin(), kstage.end(), 0.0f);
+        std::fill(vstage.begin(), vstage.end(), 0.0f);
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        for (int64_t hkv = 0; hkv < hk; ++hkv) {
+          const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+          float* krow_j = kstage.data() + (hkv * kDecodeTile + j) * dp;
+          float* vrow_j = vstage.data() + (hkv * kDecodeTile + j) * dvp;
+          LoadRow(p.elem, p.k, token * d, d, krow_j);
+          LoadRow(p.elem, p.v, token * dv, dv, vrow_j);
+          if (!FiniteRow(vrow_j, dvp)) bad[hkv] = 1;
+        }
+      }
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
         const DecodeRows& rows = heads[hkv];
-        bool bad = false;
-        for (int64_t j = 0; j < nk; ++j) {
-          const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
-          if (direct) {
-            krow[j] = static_cast<const float*>(p.k) + token * d;
-            vrow[j] = static_cast<const float*>(p.v) + token * dv;
-          } else {
-            LoadRow(p.elem, p.k, token * d, d, kstage.data() + j * dp);
-            LoadRow(p.elem, p.v, token * dv, dv, vstage.data() + j * dvp);
-            krow[j] = kstage.data() + j * dp;
-            vrow[j] = vstage.data() + j * dvp;
-          }
-          bad |= !FiniteRow(vrow[j], dvp);
-        }
+        const float* kh = kstage.data() + hkv * kDecodeTile * dp;
+        const float* vh = vstage.data() + hkv * kDecodeTile * dvp;
         // Rows in the lanes: S^T [keys][np] = K Q^T
-        if (nk < kDecodeTile) {
-          std::fill(kstage.begin() + nk * dp, kstage.end(), 0.0f);
-          std::fill(vstage.begin() + nk * dvp, vstage.end(), 0.0f);
-        }
-        GemmKeyRows(dp, kDecodeTile, d, kstage.data(), qt.data() + hkv * d * np, np,
+        GemmKeyRows(dp, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
                     np / kLanes, st.data(), np);
         for (int64_t j = 0; j < kDecodeTile; ++j) {
           float* sj = st.data() + j * np;
@@ -387,15 +386,14 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           Store(m + v, m_new);
           for (int64_t x = 0; x < dvp; ++x) Store(oth + x * np + v, Load(oth + x * np + v) * alpha);
         }
-        if (!bad) {  // O^T += V^T P^T (keys past nk have P = 0 and zero rows)
-          GemmLanes<1>(dv, kDecodeTile, vstage.data(), dvp, st.data(), np, np / kLanes, oth, np,
-                       true);
+        if (!bad[hkv]) {  // O^T += V^T P^T (keys past nk have P = 0 and zero rows)
+          GemmLanes<1>(dv, kDecodeTile, vh, dvp, st.data(), np, np / kLanes, oth, np, true);
         } else {  // a value row holds NaN or inf: only the keys a row sees
           for (int64_t j = 0; j < nk; ++j) {
             for (int64_t r = 0; r < n; ++r) {
               const float pr = st[j * np + r];
               if (pr == 0.0f) continue;
-              for (int64_t x = 0; x < dv; ++x) oth[x * np + r] += pr * vrow[j][x];
+              for (int64_t x = 0; x < dv; ++x) oth[x * np + r] += pr * vh[j * dvp + x];
             }
           }
         }
