@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "common/attention_params.h"
 #include "cpu/attention_io.h"
 #include "cpu/attention_mask.h"
@@ -35,7 +37,7 @@ namespace attnaux::cpu {
 inline constexpr int64_t kDecodeMaxQ = 16;     // query rows per head served here
 inline constexpr int64_t kDecodeMaxRows = 64;  // GQA group x q_seq
 inline constexpr int64_t kDecodeChunk = 2048;  // keys per task (fixed: thread-independent)
-inline constexpr int64_t kDecodeTile = 32;     // keys converted and scored at a time
+inline constexpr int64_t kDecodeTile = 64;     // keys converted and scored at a time
 inline constexpr int64_t kDecodeGemmRows = 8;
 inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V  // rows per kv head from which S is a GEMM
 
@@ -83,6 +85,42 @@ inline void Axpy(float alpha, const float* x, float* y, int64_t n_padded) {
   for (int64_t e = 0; e < n_padded; e += kLanes) Store(y + e, Load(y + e) + a * Load(x + e));
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+inline constexpr bool kHasBf16Dot = true;
+
+// q . k of bfloat16 rows (d a multiple of 32) with AVX-512 BF16's pair products, accumulated
+// in float32 (the products of bfloat16 values are exact in float32).
+inline float DotBf16(const uint16_t* q, const uint16_t* k, int64_t d) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t x = 0;
+  for (; x + 64 <= d; x += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(q + x),
+                            (__m512bh)_mm512_loadu_si512(k + x));
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(q + x + 32),
+                            (__m512bh)_mm512_loadu_si512(k + x + 32));
+  }
+  if (x < d) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(q + x),
+                            (__m512bh)_mm512_loadu_si512(k + x));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// y += alpha * v for a bfloat16 row v (dv a multiple of 16), widened on the fly.
+inline void AxpyBf16(float alpha, const uint16_t* v, float* y, int64_t dv) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t x = 0; x < dv; x += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + x));
+    const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm512_storeu_ps(y + x, _mm512_fmadd_ps(a, f, _mm512_loadu_ps(y + x)));
+  }
+}
+#else
+inline constexpr bool kHasBf16Dot = false;
+inline float DotBf16(const uint16_t*, const uint16_t*, int64_t) { return 0.0f; }
+inline void AxpyBf16(float, const uint16_t*, float*, int64_t) {}
+#endif
+
 // C[keys][lanes] = K[keys][depth] B[depth][lanes] with K rows `dp` floats apart (a compile-time
 // row step for the register-blocked product).
 inline void GemmKeyRows(int64_t dp, int64_t rows, int64_t depth, const float* k, const float* b,
@@ -98,7 +136,8 @@ inline void GemmKeyRows(int64_t dp, int64_t rows, int64_t depth, const float* k,
 // g * q_len + i. Holds q (padded to whole vectors), each row's visible key range and validity.
 struct DecodeRows {
   int64_t n = 0, d = 0, dp = 0;
-  std::vector<float> q;  // [n][dp]
+  std::vector<float> q;       // [n][dp]
+  std::vector<uint16_t> qb;  // [n][d]: the bfloat16 rows as given (bfloat16 inputs)
   std::vector<int64_t> lo, hi, head, qi;
   std::vector<char> valid;
   int64_t key_lo = 0, key_hi = 0;  // union of the valid rows' ranges
@@ -123,8 +162,13 @@ struct DecodeRows {
       if (valid[r] && lo[r] < hi[r]) {
         key_lo = std::min(key_lo, lo[r]);
         key_hi = std::max(key_hi, hi[r]);
-        LoadRow(p.elem, p.q, ((b * p.q_len + qi[r]) * p.q_heads + head[r]) * d, d,
-                q.data() + r * dp);
+        const int64_t at = ((b * p.q_len + qi[r]) * p.q_heads + head[r]) * d;
+        LoadRow(p.elem, p.q, at, d, q.data() + r * dp);
+        if (p.elem == Elem::kBF16) {
+          if (qb.empty()) qb.assign(n * d, 0);
+          const uint16_t* src = static_cast<const uint16_t*>(p.q) + at;
+          std::copy(src, src + d, qb.data() + r * d);
+        }
       }
     }
     if (key_hi <= key_lo) key_lo = key_hi = 0;
@@ -185,6 +229,8 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
   const int64_t n = p.group() * p.q_len, d = p.head_dim, dv = p.v_dim, hk = p.kv_heads;
   const int64_t dp = RoundUpLanes(d), dvp = RoundUpLanes(dv);
   const int64_t per_head = n * (dvp + 2);
+  // bfloat16 rows of whole 32-value pairs: read in place with AVX-512 BF16's dot products
+  const bool bf16_dot = kHasBf16Dot && p.elem == Elem::kBF16 && d % 32 == 0 && dv % 16 == 0;
   auto key = [&](int64_t j, int64_t hkv) -> const float* {
     const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
     if (direct) return static_cast<const float*>(p.k) + token * d;
@@ -211,10 +257,13 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
     }
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
       const DecodeRows& rows = heads[hkv];
-      const float* k = key(j, hkv);
+      const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+      const float* k = bf16_dot ? nullptr : key(j, hkv);
+      const uint16_t* kb = static_cast<const uint16_t*>(p.k) + token * d;
       for (int64_t r = 0; r < n; ++r) {
         if (j0 + j < rows.lo[r] || j0 + j >= rows.hi[r]) continue;
-        float x = Dot(rows.q.data() + r * dp, k, dp) * p.scale;
+        float x = (bf16_dot ? DotBf16(rows.qb.data() + r * d, kb, d)
+                            : Dot(rows.q.data() + r * dp, k, dp)) * p.scale;
         if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
         s[(hkv * n + r) * kDecodeTile + j] = x;
       }
@@ -263,6 +312,11 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
       for (int64_t r = 0; r < n; ++r) {
         const float pr = s[(hkv * n + r) * kDecodeTile + j];
         if (pr == 0.0f) continue;
+        if (bf16_dot) {
+          const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+          AxpyBf16(pr, static_cast<const uint16_t*>(p.v) + token * dv, o + r * dvp, dv);
+          continue;
+        }
         if (v == nullptr) v = value(j, hkv);
         Axpy(pr, v, o + r * dvp, dvp);
       }
