@@ -226,8 +226,12 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
     probs_no = _unavailable("probs", problem, platform, return_probs)
     gpu_rule = gpu_prefers_probs(problem) if platform == "gpu" else None
     small_no = _unavailable("small_seq", problem, platform, return_probs)
+    flash_impl = implementation("flash", platform)
+    flash_form = getattr(getattr(flash_impl, "module", None), "describe", lambda _: None)
+    flash_note = flash_form(problem) if flash_no is None else None
     reasons = {
-        "flash": flash_no or "serves every option here; O(seq) memory",
+        "flash": flash_no or "serves every option here; O(seq) memory" + (
+            f"; {flash_note}" if flash_note else ""),
         "probs": probs_no or "serves every option here; saves the probabilities "
         "[B, q_heads, q_seq, kv_seq] when training or when return_probs=True",
         "small_seq": small_no or f"the static shapes fit (q_seq == 1, kv_seq={kv_seq} <= "

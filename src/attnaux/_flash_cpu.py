@@ -63,6 +63,26 @@ def _backward(options: Options, ops, out, lse, probs, dout, dlse, dprobs):
 _primitive = attention_primitive(_forward, _backward)
 
 
+DECODE_MAX_Q_SEQ = 16
+DECODE_MAX_ROWS = 64
+"""The decode form of the kernels (`csrc/cpu/decode_cpu.h`: `kDecodeMaxQ`, `kDecodeMaxRows`):
+calls with at most this many query rows (and GQA group x q_seq rows per kv head), and no bias,
+mask, segment ids or dropout."""
+
+
+def describe(problem: Problem) -> str | None:
+    """How the kernels serve `problem` when that is worth saying (`explain`)."""
+    arrays, options = problem.arrays, problem.options
+    q_seq, q_heads = arrays.q.shape[1], arrays.q.shape[2]
+    group = q_heads // arrays.k.shape[2]
+    if (1 <= q_seq <= DECODE_MAX_Q_SEQ and group * q_seq <= DECODE_MAX_ROWS
+            and arrays.bias is None and arrays.mask is None and arrays.q_segment_ids is None
+            and options.dropout_rate == 0):
+        return (f"q_seq={q_seq} <= {DECODE_MAX_Q_SEQ}: its decode form (each kv head's K and V "
+                f"read once for its {group * q_seq} query rows, at memory speed)")
+    return None
+
+
 def unavailable(problem: Problem, platform: str) -> str | None:
     """Why the CPU kernels cannot serve `problem`, or None."""
     return target_unavailable(FWD_TARGET, platform, problem.arrays.q.dtype)
