@@ -10,6 +10,9 @@ import pytest
 
 import attnaux as ax
 
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="the decode form is the CPU kernels'")
+
 
 def _problem(seed, b, sq, skv, hq, hk, d, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
