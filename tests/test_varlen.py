@@ -192,7 +192,8 @@ def test_dropout_mask_replay():
         if b == a or d == c:
             continue
         vv = jnp.repeat(v[c:d], 2, axis=1)
-        want = jnp.einsum("hqk,khd->qhd", p[i, :, : b - a, : d - c], vv)
+        want = jnp.einsum("hqk,khd->qhd", p[i, :, : b - a, : d - c], vv,
+                          precision=jax.lax.Precision.HIGHEST)  # (not TF32 on a GPU)
         np.testing.assert_allclose(out[a:b], want, atol=2e-5)
 
 
