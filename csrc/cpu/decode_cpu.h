@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <immintrin.h>
@@ -49,6 +50,20 @@ inline bool DecodeApplies(const AttentionParams& p) {
 
 namespace decode_detail {
 
+// The sum of a vector's lanes: a shuffle tree (a lane-by-lane loop is one long add chain).
+inline float HorizontalSum(VecF v) {
+#if defined(__AVX512F__)
+  static_assert(kLanes == 16, "AVX-512 vectors");
+  __m512 x;
+  std::memcpy(&x, &v, sizeof(x));
+  return _mm512_reduce_add_ps(x);
+#else
+  float sum = 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) sum += v[lane];
+  return sum;
+#endif
+}
+
 inline float Dot(const float* a, const float* b, int64_t n_padded) {
   // two accumulators: half the FMA latency chain, so more loads are in flight
   VecF acc0 = VecF{}, acc1 = VecF{};
@@ -58,10 +73,7 @@ inline float Dot(const float* a, const float* b, int64_t n_padded) {
     acc1 += Load(a + x + kLanes) * Load(b + x + kLanes);
   }
   if (x < n_padded) acc0 += Load(a + x) * Load(b + x);
-  const VecF acc = acc0 + acc1;
-  float sum = 0.0f;
-  for (int lane = 0; lane < kLanes; ++lane) sum += acc[lane];
-  return sum;
+  return HorizontalSum(acc0 + acc1);
 }
 
 // Asks for the `bytes` at `p` ahead of their use (the stream of K or V rows).
