@@ -8,7 +8,9 @@ The order of the score rules: `scale * q k^T`, then `softcap`, then `score_mod`,
 (lengths, causal, window, segment ids, `mask_mod`); `aux.lse` and `aux.max` are of the modified
 scores.
 
-Two backends serve them:
+This module holds the functions' conversion, the block table and the `flex` backend; which
+backend serves a call (the CPU kernels' score programs, flex, or the reference) is decided in
+`_mods.py`. Here:
 
 - `flex`: blockwise online softmax in JAX, compiled by XLA on every platform (`_flex_forward`,
   `_flex_backward`): query tiles of up to `BLOCK_Q` rows against key tiles of up to `BLOCK_K`
@@ -21,8 +23,8 @@ Two backends serve them:
 - `reference`: the scores materialised (`_reference.reference_attention` with the two functions),
   differentiated by JAX end to end: the oracle of the tests.
 
-Not served with them (a clear error): `bias` and `mask` (a `score_mod` or `mask_mod` closing
-over the array says the same), dropout, `return_probs` on `flex`, and the compiled backends.
+Not served with them (a clear error, `_mods._check`): `bias` and `mask` (a `score_mod` or
+`mask_mod` closing over the array says the same), dropout, `return_probs` on `flex`.
 """
 
 from collections.abc import Callable
