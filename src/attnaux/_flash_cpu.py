@@ -3,7 +3,12 @@
 The forward saves only `lse` (plus the inputs and the output); the backward recomputes the
 probabilities tile by tile from it. Both kernels are XLA FFI targets (`docs/kernel_abi.md`) with
 the canonical operands; the kernel-call layer gives them their vmap rule (one launch for a
-vmapped call) and their `custom_vjp`.
+vmapped call) and their `custom_vjp`. With at most `DECODE_MAX_Q_SEQ` query rows the same targets
+take their decode form (`csrc/cpu/decode_cpu.h`; `describe` tells `explain`).
+
+`run_mods` is the same kernels with `score_mod`/`mask_mod` compiled in: the targets
+`attnaux_flash_mod_fwd/_bwd` take a score program (`_score_program.py`), the captured arrays
+flat, and mask_mod's table of 64 x 64 tiles, and return the captured arrays' gradient.
 """
 
 import functools
