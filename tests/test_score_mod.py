@@ -95,7 +95,8 @@ def test_backends_match_the_materialised_reference(name, backend):
     assert float(jnp.abs(r_grads[3]["slopes"]).max()) > 0  # the captured arrays matter here
 
 
-@pytest.mark.parametrize("backend", [pytest.param("flash", marks=cpu_only), "flex",
+@pytest.mark.parametrize("backend", [pytest.param("flash", marks=cpu_only),
+                                     pytest.param("flex", marks=pytest.mark.slow if CPU else ()),
                                      pytest.param("reference", marks=pytest.mark.slow)])
 def test_builtin_options_spelled_as_functions(backend):
     """Each spelling against the built-in option, through the reference without functions."""
