@@ -243,18 +243,14 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
   const int64_t per_head = n * (dvp + 2);
   // bfloat16 rows of whole 32-value pairs: read in place with AVX-512 BF16's dot products
   const bool bf16_dot = kHasBf16Dot && p.elem == Elem::kBF16 && d % 32 == 0 && dv % 16 == 0;
-  auto key = [&](int64_t j, int64_t hkv) -> const float* {
+  // key j's row of K or V (`width` values, padded to `width_p` in `stage`) as float32: in place
+  // when `direct`, else converted into this kv head's slot of the stage
+  auto row_of = [&](const void* base, int64_t width, int64_t width_p, std::vector<float>& stage,
+                    int64_t j, int64_t hkv) -> const float* {
     const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
-    if (direct) return static_cast<const float*>(p.k) + token * d;
-    float* row = kstage.data() + (hkv * kDecodeTile + j) * dp;
-    LoadRow(p.elem, p.k, token * d, d, row);
-    return row;
-  };
-  auto value = [&](int64_t j, int64_t hkv) -> const float* {
-    const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
-    if (direct) return static_cast<const float*>(p.v) + token * dv;
-    float* row = vstage.data() + (hkv * kDecodeTile + j) * dvp;
-    LoadRow(p.elem, p.v, token * dv, dv, row);
+    if (direct) return static_cast<const float*>(base) + token * width;
+    float* row = stage.data() + (hkv * kDecodeTile + j) * width_p;
+    LoadRow(p.elem, base, token * width, width, row);
     return row;
   };
   // pass 1: scores, key-major
@@ -270,7 +266,7 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
       const DecodeRows& rows = heads[hkv];
       const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
-      const float* k = bf16_dot ? nullptr : key(j, hkv);
+      const float* k = bf16_dot ? nullptr : row_of(p.k, d, dp, kstage, j, hkv);
       const uint16_t* kb = static_cast<const uint16_t*>(p.k) + token * d;
       for (int64_t r = 0; r < n; ++r) {
         if (j0 + j < rows.lo[r] || j0 + j >= rows.hi[r]) continue;
@@ -329,7 +325,7 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
           AxpyBf16(pr, static_cast<const uint16_t*>(p.v) + token * dv, o + r * dvp, dv);
           continue;
         }
-        if (v == nullptr) v = value(j, hkv);
+        if (v == nullptr) v = row_of(p.v, dv, dvp, vstage, j, hkv);
         Axpy(pr, v, o + r * dvp, dvp);
       }
     }

@@ -59,23 +59,12 @@ ffi::Error CheckOutput(const std::string& name, ffi::DataType got_dtype, ffi::Da
   return ExpectShape(name, dims, expected);
 }
 
-ffi::Error FlashForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
-                            ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
-                            ffi::Buffer<ffi::S32> kv_seqlens,
-                            ffi::Buffer<ffi::S32> q_segment_ids,
-                            ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
-                            ffi::Buffer<ffi::U32> rng_state, float scale, float softcap,
-                            int32_t causal, int64_t window_left, int64_t window_right,
-                            float dropout_rate, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                            ffi::Result<ffi::Buffer<ffi::F32>> max) {
-  AttentionParams p;
-  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
-                                      window_left, window_right, dropout_rate, &p));
-  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out->element_type(), q.element_type(),
-                                      out->dimensions(),
+// Checks the forward's outputs against `p` and runs it: the decode form for a few query rows,
+// else the tiled kernel. Shared by the plain and the score-program handlers.
+ffi::Error RunForward(const AttentionParams& p, ffi::DataType dtype,
+                      ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                      ffi::Result<ffi::Buffer<ffi::F32>>& max, ffi::ThreadPool& pool) {
+  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out->element_type(), dtype, out->dimensions(),
                                       {p.batch, p.q_len, p.q_heads, p.v_dim}));
   ATTNAUX_RETURN_IF_ERROR(
       ExpectShape("lse (output)", lse->dimensions(), {p.batch, p.q_heads, p.q_len}));
@@ -95,21 +84,13 @@ ffi::Error FlashForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error FlashBackwardImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
-    ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
-    ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
-    ffi::Buffer<ffi::U32> rng_state, ffi::AnyBuffer out, ffi::AnyBuffer dout,
-    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, float scale, float softcap,
-    int32_t causal, int64_t window_left, int64_t window_right, float dropout_rate,
-    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    ffi::Result<ffi::Buffer<ffi::F32>> dbias) {
-  AttentionParams p;
-  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
-                                      window_left, window_right, dropout_rate, &p));
-  const ffi::DataType dtype = q.element_type();
+// Checks the backward's inputs and dq, dk, dv against `p` and runs it into `outputs` (whose
+// dbias or dconsts the caller has checked and set). Shared by both handlers.
+ffi::Error RunBackward(const AttentionParams& p, ffi::DataType dtype, ffi::AnyBuffer out,
+                       ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
+                       ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::AnyBuffer>& dq,
+                       ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
+                       BackwardOutputs outputs, ffi::ThreadPool& pool) {
   const std::vector<int64_t> o_shape = {p.batch, p.q_len, p.q_heads, p.v_dim};
   const std::vector<int64_t> stat_shape = {p.batch, p.q_heads, p.q_len};
   ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out.element_type(), dtype, out.dimensions(), o_shape));
@@ -126,13 +107,6 @@ ffi::Error FlashBackwardImpl(
   ATTNAUX_RETURN_IF_ERROR(CheckOutput("dv (output)", dv->element_type(), dtype,
                                       dv->dimensions(),
                                       {p.batch, p.kv_len, p.kv_heads, p.v_dim}));
-  if (p.bias != nullptr) {
-    ATTNAUX_RETURN_IF_ERROR(ExpectShape("dbias (output)", dbias->dimensions(),
-                                        {p.batch, p.q_heads, p.q_len, p.kv_len}));
-  } else if (!Absent(dbias->dimensions())) {
-    return ShapeError(kTarget, "dbias (output)", "(0,) when no bias is given",
-                      dbias->dimensions());
-  }
   BackwardInputs inputs;
   inputs.out = out.untyped_data();
   inputs.dout = dout.untyped_data();
@@ -142,18 +116,60 @@ ffi::Error FlashBackwardImpl(
   AdviseHugePages(dq->untyped_data(), dq->size_bytes());
   AdviseHugePages(dk->untyped_data(), dk->size_bytes());
   AdviseHugePages(dv->untyped_data(), dv->size_bytes());
-  if (p.bias != nullptr) AdviseHugePages(dbias->untyped_data(), dbias->size_bytes());
-  BackwardOutputs outputs;
   outputs.dq = dq->untyped_data();
   outputs.dk = dk->untyped_data();
   outputs.dv = dv->untyped_data();
-  outputs.dbias = p.bias != nullptr ? dbias->typed_data() : nullptr;
   if (DecodeApplies(p)) {
     DecodeBackward(p, inputs, outputs, &pool);
   } else {
     FlashBackward(p, inputs, outputs, &pool);
   }
   return ffi::Error::Success();
+}
+
+ffi::Error FlashForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
+                            ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+                            ffi::Buffer<ffi::S32> kv_seqlens,
+                            ffi::Buffer<ffi::S32> q_segment_ids,
+                            ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+                            ffi::Buffer<ffi::U32> rng_state, float scale, float softcap,
+                            int32_t causal, int64_t window_left, int64_t window_right,
+                            float dropout_rate, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            ffi::Result<ffi::Buffer<ffi::F32>> max) {
+  AttentionParams p;
+  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                      window_left, window_right, dropout_rate, &p));
+  return RunForward(p, q.element_type(), out, lse, max, pool);
+}
+
+ffi::Error FlashBackwardImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_seqlens,
+    ffi::Buffer<ffi::S32> kv_seqlens, ffi::Buffer<ffi::S32> q_segment_ids,
+    ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::F32> sink,
+    ffi::Buffer<ffi::U32> rng_state, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, float scale, float softcap,
+    int32_t causal, int64_t window_left, int64_t window_right, float dropout_rate,
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::Buffer<ffi::F32>> dbias) {
+  AttentionParams p;
+  ATTNAUX_RETURN_IF_ERROR(BuildParams(q, k, v, bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
+                                      kv_segment_ids, sink, rng_state, scale, softcap, causal,
+                                      window_left, window_right, dropout_rate, &p));
+  if (p.bias != nullptr) {
+    ATTNAUX_RETURN_IF_ERROR(ExpectShape("dbias (output)", dbias->dimensions(),
+                                        {p.batch, p.q_heads, p.q_len, p.kv_len}));
+    AdviseHugePages(dbias->untyped_data(), dbias->size_bytes());
+  } else if (!Absent(dbias->dimensions())) {
+    return ShapeError(kTarget, "dbias (output)", "(0,) when no bias is given",
+                      dbias->dimensions());
+  }
+  BackwardOutputs outputs;
+  outputs.dbias = p.bias != nullptr ? dbias->typed_data() : nullptr;
+  return RunBackward(p, q.element_type(), out, dout, lse, dlse, dq, dk, dv, outputs, pool);
 }
 
 // The score program of a call with score_mod / mask_mod (score_program.h), checked, and its
@@ -207,23 +223,7 @@ ffi::Error FlashModForwardImpl(
                                       window_left, window_right, dropout_rate, &p));
   ScoreProgram parsed;
   ATTNAUX_RETURN_IF_ERROR(AttachProgram(program, literals, score_consts, tile_mask, &parsed, &p));
-  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out->element_type(), q.element_type(),
-                                      out->dimensions(),
-                                      {p.batch, p.q_len, p.q_heads, p.v_dim}));
-  ATTNAUX_RETURN_IF_ERROR(
-      ExpectShape("lse (output)", lse->dimensions(), {p.batch, p.q_heads, p.q_len}));
-  ATTNAUX_RETURN_IF_ERROR(
-      ExpectShape("max (output)", max->dimensions(), {p.batch, p.q_heads, p.q_len}));
-  ForwardOutputs outputs;
-  outputs.out = out->untyped_data();
-  outputs.lse = lse->typed_data();
-  outputs.max = max->typed_data();
-  if (DecodeApplies(p)) {
-    DecodeForward(p, outputs, &pool);  // a few query rows: at memory speed
-  } else {
-    FlashForward(p, outputs, &pool);
-  }
-  return ffi::Error::Success();
+  return RunForward(p, q.element_type(), out, lse, max, pool);
 }
 
 ffi::Error FlashModBackwardImpl(
@@ -248,41 +248,11 @@ ffi::Error FlashModBackwardImpl(
     return ffi::Error::InvalidArgument(std::string(kTarget) +
                                        ": a bias does not combine with a score program.");
   }
-  const ffi::DataType dtype = q.element_type();
-  const std::vector<int64_t> o_shape = {p.batch, p.q_len, p.q_heads, p.v_dim};
-  const std::vector<int64_t> stat_shape = {p.batch, p.q_heads, p.q_len};
-  ATTNAUX_RETURN_IF_ERROR(CheckOutput("out", out.element_type(), dtype, out.dimensions(), o_shape));
-  ATTNAUX_RETURN_IF_ERROR(
-      CheckOutput("dout", dout.element_type(), dtype, dout.dimensions(), o_shape));
-  ATTNAUX_RETURN_IF_ERROR(ExpectShape("lse", lse.dimensions(), stat_shape));
-  ATTNAUX_RETURN_IF_ERROR(ExpectShape("dlse", dlse.dimensions(), stat_shape));
-  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dq (output)", dq->element_type(), dtype,
-                                      dq->dimensions(),
-                                      {p.batch, p.q_len, p.q_heads, p.head_dim}));
-  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dk (output)", dk->element_type(), dtype,
-                                      dk->dimensions(),
-                                      {p.batch, p.kv_len, p.kv_heads, p.head_dim}));
-  ATTNAUX_RETURN_IF_ERROR(CheckOutput("dv (output)", dv->element_type(), dtype,
-                                      dv->dimensions(),
-                                      {p.batch, p.kv_len, p.kv_heads, p.v_dim}));
   ATTNAUX_RETURN_IF_ERROR(ExpectShape("dscore_consts (output)", dconsts->dimensions(),
                                       {p.batch, p.q_heads, parsed.data_size}));
-  BackwardInputs inputs;
-  inputs.out = out.untyped_data();
-  inputs.dout = dout.untyped_data();
-  inputs.lse = lse.typed_data();
-  inputs.dlse = dlse.typed_data();
   BackwardOutputs outputs;
-  outputs.dq = dq->untyped_data();
-  outputs.dk = dk->untyped_data();
-  outputs.dv = dv->untyped_data();
   outputs.dconsts = dconsts->typed_data();
-  if (DecodeApplies(p)) {
-    DecodeBackward(p, inputs, outputs, &pool);
-  } else {
-    FlashBackward(p, inputs, outputs, &pool);
-  }
-  return ffi::Error::Success();
+  return RunBackward(p, q.element_type(), out, dout, lse, dlse, dq, dk, dv, outputs, pool);
 }
 
 }  // namespace
