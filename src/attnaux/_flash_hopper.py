@@ -108,6 +108,75 @@ def _ranges(g: Geometry, q_lo, q_hi, block_kv: int, n_kv_tiles: int):
     return lo, hi, full_lo, full_hi
 
 
+def _q_ranges(g: Geometry, k_lo, k_hi, block_q: int, n_q_tiles: int):
+    """Query tiles `[lo, hi)` whose rows see some key of `[k_lo, k_hi)`, and `[full_lo,
+    full_hi)` inside it whose rows see every key of it (the transpose of `_ranges`)."""
+    i32 = jnp.int32
+    lo_pos = jnp.asarray(0, i32)
+    hi_pos = jnp.asarray(g.q_len, i32)
+    full_lo_pos = jnp.asarray(0, i32)
+    full_hi_pos = jnp.asarray(g.q_len, i32)
+    if g.causal:
+        lo_pos = jnp.maximum(lo_pos, k_lo - g.offset)
+        full_lo_pos = jnp.maximum(full_lo_pos, k_hi - 1 - g.offset)
+    if g.window is not None:
+        left, right = g.window
+        lo_pos = jnp.maximum(lo_pos, k_lo - g.offset - right)
+        full_lo_pos = jnp.maximum(full_lo_pos, k_hi - 1 - g.offset - right)
+        hi_pos = jnp.minimum(hi_pos, k_hi - 1 - g.offset + left + 1)
+        full_hi_pos = jnp.minimum(full_hi_pos, k_lo - g.offset + left + 1)
+    hi_pos = jnp.where(k_lo >= g.kv_len, 0, hi_pos)  # keys that are all padding
+    full_hi_pos = jnp.where(k_hi > g.kv_len, 0, full_hi_pos)  # a tile with padding keys
+    hi = jnp.clip(lax.div(jnp.maximum(hi_pos, 0) + (block_q - 1), i32(block_q)), 0, n_q_tiles)
+    lo = jnp.clip(lax.div(jnp.maximum(lo_pos, 0), i32(block_q)), 0, hi)
+    full_lo = jnp.clip(lax.div(full_lo_pos + (block_q - 1), i32(block_q)), lo, hi)
+    full_hi = jnp.clip(lax.div(jnp.maximum(full_hi_pos, 0), i32(block_q)), full_lo, hi)
+    return lo, hi, full_lo, full_hi
+
+
+def _all_masked(tile_fn) -> bool:
+    return tile_fn is not None and tile_fn.masks
+
+
+def _walk(cta_lo, cta_hi, ranges, visit, skip, carry, *, all_masked: bool):
+    """A consumer's pass over its CTA's stream of tiles `[cta_lo, cta_hi)`: `skip` the steps
+    outside its own `[lo, hi)` (they still release the slots, so the barriers' phases stay in
+    step with the producer), `visit` the others, masked only outside `[full_lo, full_hi)`."""
+    lo, hi, full_lo, full_hi = ranges
+    lo = jnp.clip(lo, cta_lo, cta_hi)
+    hi = jnp.clip(hi, lo, cta_hi)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    lax.fori_loop(cta_lo, lo, skip, None)
+    if all_masked:
+        carry = lax.fori_loop(lo, hi, functools.partial(visit, masked=True), carry)
+    else:
+        carry = lax.fori_loop(lo, full_lo, functools.partial(visit, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(visit, masked=False), carry)
+        carry = lax.fori_loop(full_hi, hi, functools.partial(visit, masked=True), carry)
+    lax.fori_loop(hi, cta_hi, skip, None)
+    return carry
+
+
+def _produce(pl, plgpu, cta_lo, cta_hi, stages: int, items):
+    """The producer warpgroup: streams step `t` of `[cta_lo, cta_hi)` into slot `(t - cta_lo)
+    % stages` for every `(source(t) -> GMEM view, SMEM slots, ready, free)` of `items`, waiting
+    for the consumers to free a slot before refilling it."""
+
+    def fill(step, slot, wait):
+        for source, smem, ready, free in items:
+            if wait:
+                plgpu.barrier_wait(free.at[slot])
+            plgpu.copy_gmem_to_smem(source(step), smem.at[slot], ready.at[slot])
+
+    for i in range(stages):
+        pl.when(cta_lo + i < cta_hi)(functools.partial(fill, cta_lo + i, i, False))
+
+    @pl.loop(cta_lo + stages, cta_hi)
+    def _(step):
+        fill(step, lax.rem(step - cta_lo, jnp.array(stages, jnp.int32)), True)
+
+
 def _geometry_visible(g: Geometry, q_pos, kv_pos):
     visible = kv_pos < g.kv_len
     if g.causal:
@@ -207,12 +276,13 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             kv_iota = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=wgmma)
             row_vals = tuple(
                 lax.broadcast_in_dim(
-                    plgpu.load(rows_ref.at[b, h, r, pl.ds(q0, block_q)], layout=row_layout, optimized=False),
+                    plgpu.load(rows_ref.at[b, h, r, pl.ds(q0, block_q)], layout=row_layout,
+                               optimized=False),
                     (block_q, block_kv), [0])
                 for r in range(n_rows))
             plgpu.barrier_wait(q_ready.at[wg])
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+            denom = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((block_q, dim), 0.0, jnp.float32), wgmma)
 
             pl.when(wg == 1)(take_turn)
@@ -228,7 +298,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 return carry
 
             def visit(step, carry, masked):
-                acc, m, l = carry
+                acc, m, denom = carry
                 slot = slot_of(step)
                 plgpu.barrier_wait(k_ready.at[slot])
 
@@ -258,9 +328,9 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 alpha = jnp.exp2(m * exp_scale - m_base)
                 p = jnp.exp2(x * exp_scale - lax.broadcast_in_dim(m_base, x.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha + p.sum(axis=1)
+                denom = denom * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)
@@ -270,28 +340,19 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
+                return acc, m_new, denom
 
-            needs_mask = not (tile_fn is None or not tile_fn.masks)
-            carry = (acc, m, l)
-            lax.fori_loop(cta_lo, lo, skip, None)
-            if needs_mask:
-                carry = lax.fori_loop(lo, hi, functools.partial(visit, masked=True), carry)
-            else:
-                carry = lax.fori_loop(lo, full_lo, functools.partial(visit, masked=True), carry)
-                carry = lax.fori_loop(full_lo, full_hi, functools.partial(visit, masked=False),
-                                      carry)
-                carry = lax.fori_loop(full_hi, hi, functools.partial(visit, masked=True), carry)
-            lax.fori_loop(hi, cta_hi, skip, None)
-            acc, m, l = carry
+            carry = _walk(cta_lo, cta_hi, (lo, hi, full_lo, full_hi), visit, skip,
+                          (acc, m, denom), all_masked=_all_masked(tile_fn))
+            acc, m, denom = carry
             pl.when(wg == 0)(take_turn)
 
-            seen = l > 0.0
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            seen = denom > 0.0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)
             out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
             qo_smem[...] = out.astype(dtype)
             row_max = m * scale if plain else m
-            lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+            lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
             stat_smem = stat_smem2.at[wg]
             stat_smem.at[0][...] = lse
             stat_smem.at[1][...] = jnp.where(seen, row_max, -jnp.inf)
@@ -305,25 +366,12 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def load(step, slot):
-                src = (b, pl.ds(step * block_kv, block_kv), kvh)
-                return src
+            def kv_tile(ref):
+                return lambda step: ref.at[b, pl.ds(step * block_kv, block_kv), kvh]
 
-            for i in range(stages):
-                @pl.when(cta_lo + i < cta_hi)
-                def _():
-                    src = load(cta_lo + i, i)
-                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[i], k_ready.at[i])
-                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[i], v_ready.at[i])
-
-            @pl.loop(cta_lo + stages, cta_hi)
-            def _(step):
-                slot = slot_of(step)
-                src = load(step, slot)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+            _produce(pl, plgpu, cta_lo, cta_hi, stages,
+                     [(kv_tile(k_ref), k_smem, k_ready, k_free),
+                      (kv_tile(v_ref), v_smem, v_ready, v_free)])
 
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -352,3 +400,400 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         scratch_types=(scratch, barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, *([rows] if n_rows else []), *([cols] if n_cols else []))
+
+
+def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
+    """`(x, visible, vjp)`: the modified scores of a tile and the function that maps their
+    cotangent to those of the raw scores and of the row and column inputs (masked pairs
+    contribute nothing, even where a derivative is not finite)."""
+    def f(s, rows, cols):
+        return mod(s, q_pos, kv_pos, b, h, rows, cols, masked=masked)[0]
+
+    x, pullback = jax.vjp(f, s, row_vals, col_vals)
+    visible = (x > -jnp.inf) if masked else None
+
+    def vjp(dx):
+        ds, drows, dcols = pullback(dx)
+        if visible is not None:
+            ds = jnp.where(visible, ds, 0.0)
+            drows = tuple(jnp.where(visible, d, 0.0) for d in drows)
+            dcols = tuple(jnp.where(visible, d, 0.0) for d in dcols)
+        return ds, drows, dcols
+
+    return x, vjp
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
+                                             "config"))
+def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap,
+             geometry: Geometry, tile_fn, config: Config):
+    """`(dq, dk, dv, drows, dcols)` of `forward` (same padded shapes), given the cotangents of
+    out and lse. dS = P * (dP - (D - dlse)), D = rowsum(dO * O), in two kernels: dK/dV (a CTA
+    per 128 keys of a kv head, over the query tiles of every query head of its group) and dQ (a
+    CTA per 128 query rows, over the key tiles)."""
+    pl, plgpu = _pallas()
+    bsz, q_seq, q_heads, dim = q.shape
+    kv_seq, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    dtype = q.dtype
+    n_rows = tile_fn.n_rows if tile_fn is not None else 0
+    n_cols = tile_fn.n_cols if tile_fn is not None else 0
+    plain = tile_fn is None and softcap is None
+    exp_scale = (scale * LOG2E) if plain else LOG2E
+    mod = functools.partial(_modify, scale=scale, softcap=softcap, tile_fn=tile_fn,
+                            geometry=geometry)
+    all_masked = _all_masked(tile_fn)
+    wgmma = plgpu.Layout.WGMMA
+    # per row: lse in log2 units (+inf for a row that sees nothing, so that P = 0 there) and
+    # the row term D - dlse
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    stats = jnp.stack([lse2, delta - dlse.astype(jnp.float32)], axis=2)  # [B, Hq, 2, Sq]
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    stages = config.stages
+    bq = bk = BLOCK_Q  # 64 x 64 tiles in the backward
+
+    def row_input(ref, b, h, r, q0, layout, shape, dim_):
+        return lax.broadcast_in_dim(
+            plgpu.load(ref.at[b, h, r, pl.ds(q0, bq)], layout=layout, optimized=False),
+            shape, [dim_])
+
+    def scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b, masked):
+        """P of a tile (lse_b broadcast), the modified scores' pullback (None when plain)."""
+        if plain:
+            x = s if not masked else jnp.where(_geometry_visible(geometry, q_pos, kv_pos), s,
+                                               -jnp.inf)
+            vjp = None
+        else:
+            x, vjp = _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked)
+        return jnp.exp2(x * exp_scale - lse_b), vjp
+
+    # ---- dK, dV: grid (kv heads, key blocks of 128, batch); stream (query head, query tile)
+    n_q_tiles = q_seq // bq
+
+    def dkv_kernel(*refs):
+        q_ref, k_ref, v_ref, do_ref, st_ref = refs[:5]
+        i = 5
+        rows_ref = refs[i] if n_rows else None
+        i += bool(n_rows)
+        cols_ref = refs[i] if n_cols else None
+        i += bool(n_cols)
+        dk_ref, dv_ref = refs[i:i + 2]
+        i += 2
+        dcols_ref = refs[i] if n_cols else None
+        i += bool(n_cols)
+        scratch, barriers = refs[i:]
+        k_smem2, v_smem2, q_smem, do_smem, st_smem, dcol_smem2 = scratch
+        k_ready, v_ready, q_ready, do_ready, st_ready, q_free, do_free, st_free = barriers
+        b = lax.axis_index("batch")
+        kvh = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_k0 = lax.axis_index("k_tiles") * (COMPUTE_WGS * bk)
+        c_lo, c_hi, _, _ = _q_ranges(geometry, cta_k0, cta_k0 + COMPUTE_WGS * bk, bq, n_q_tiles)
+        n_steps = c_hi - c_lo  # per query head; the stream runs over group * n_steps
+
+        def slot_of(t):
+            return lax.rem(t, jnp.array(stages, jnp.int32))
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k0 = cta_k0 + wg * bk
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kvh], k_smem, k_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kvh], v_smem, v_ready.at[wg])
+            lo, hi, full_lo, full_hi = _q_ranges(geometry, k0, k0 + bk, bq, n_q_tiles)
+            # the transposed tile: keys down (axis 0), queries across (axis 1)
+            kv_pos = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma) + k0
+            q_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma)
+            plgpu.barrier_wait(k_ready.at[wg])
+            plgpu.barrier_wait(v_ready.at[wg])
+            zeros = plgpu.layout_cast(jnp.zeros((bk, dim), jnp.float32), wgmma)
+            dk, dv = zeros, zeros
+
+            def per_head(g, carry):
+                dk, dv = carry
+                h = kvh * group + g
+                base = g * n_steps - c_lo  # stream index of query tile j: base + j
+                col_vals = tuple(row_input(cols_ref, b, h, c, k0, wgmma.reduce(1), (bk, bq), 0)
+                                 for c in range(n_cols))
+                dcol0 = tuple(plgpu.layout_cast(jnp.zeros((bk,), jnp.float32),
+                                                wgmma.reduce(1)) for _ in range(n_cols))
+
+                def skip(j, c):
+                    slot = slot_of(base + j)
+                    for ready, free in ((q_ready, q_free), (do_ready, do_free),
+                                        (st_ready, st_free)):
+                        plgpu.barrier_wait(ready.at[slot])
+                        plgpu.barrier_arrive(free.at[slot])
+                    return c
+
+                def visit(j, c, masked):
+                    dk, dv, dcols = c
+                    slot = slot_of(base + j)
+                    q0 = j * bq
+                    plgpu.barrier_wait(q_ready.at[slot])
+
+                    def st(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32))
+                    plgpu.barrier_wait(st_ready.at[slot])
+                    lse_b = lax.broadcast_in_dim(
+                        plgpu.load(st_smem.at[slot, 0], layout=wgmma.reduce(0)), (bk, bq), [1])
+                    rt_b = lax.broadcast_in_dim(
+                        plgpu.load(st_smem.at[slot, 1], layout=wgmma.reduce(0)), (bk, bq), [1])
+                    plgpu.barrier_arrive(st_free.at[slot])
+                    q_pos = q_iota + q0
+                    row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(0),
+                                               (bk, bq), 1) for r in range(n_rows))
+                    p, vjp = scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b,
+                                              masked)
+                    plgpu.barrier_wait(do_ready.at[slot])
+
+                    def dv_dp(refs):
+                        dv_ref_, dp_ref_ = refs
+                        plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
+                        plgpu.wgmma(dp_ref_, v_smem, do_smem.at[slot].transpose((1, 0)))
+
+                    dp0 = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), wgmma)
+                    dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(dp0)))
+                    plgpu.barrier_arrive(do_free.at[slot])
+                    ds = p * (dp - rt_b)
+                    if vjp is not None:
+                        ds, _, dcol_tiles = vjp(ds)
+                        dcols = tuple(a + t.sum(axis=1) for a, t in zip(dcols, dcol_tiles))
+
+                    def dk_acc(acc_ref):
+                        plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
+
+                    dk = pl.run_state(dk_acc)(plgpu.ACC.init(dk))
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    return dk, dv, dcols
+
+                dk, dv, dcols = _walk(c_lo, c_hi, (lo, hi, full_lo, full_hi), visit, skip,
+                                      (dk, dv, dcol0), all_masked=all_masked)
+                for c in range(n_cols):
+                    dcol_smem = dcol_smem2.at[wg, c]
+                    dcol_smem[...] = dcols[c]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dcol_smem, dcols_ref.at[b, h, c, pl.ds(k0, bk)])
+                    plgpu.wait_smem_to_gmem(0)
+                return dk, dv
+
+            dk, dv = lax.fori_loop(0, group, per_head, (dk, dv))
+            if plain:
+                dk = dk * scale
+            k_smem[...] = dk.astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, pl.ds(k0, bk), kvh])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, pl.ds(k0, bk), kvh])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def head_and_tile(t):
+                g = lax.div(t, jnp.maximum(n_steps, 1))
+                return kvh * group + g, c_lo + t - g * n_steps
+
+            def q_tile(ref):
+                def source(t):
+                    h, j = head_and_tile(t)
+                    return ref.at[b, pl.ds(j * bq, bq), h]
+                return source
+
+            def st_tile(t):
+                h, j = head_and_tile(t)
+                return st_ref.at[b, h, :, pl.ds(j * bq, bq)]
+
+            _produce(pl, plgpu, 0, group * n_steps, stages,
+                     [(q_tile(q_ref), q_smem, q_ready, q_free),
+                      (q_tile(do_ref), do_smem, do_ready, do_free),
+                      (st_tile, st_smem, st_ready, st_free)])
+
+    kv_scratch = plgpu.SMEM((COMPUTE_WGS, bk, dim), dtype, transforms=(tiling, swizzle))
+    q_scratch = plgpu.SMEM((stages, bq, dim), dtype, transforms=(tiling, swizzle))
+    dkv_scratch = (kv_scratch, kv_scratch, q_scratch, q_scratch,
+                   plgpu.SMEM((stages, 2, bq), jnp.float32),
+                   plgpu.SMEM((COMPUTE_WGS, max(n_cols, 1), bk), jnp.float32))
+    dkv_barriers = (
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k_ready
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # v_ready
+        plgpu.Barrier(num_barriers=stages),  # q_ready
+        plgpu.Barrier(num_barriers=stages),  # do_ready
+        plgpu.Barrier(num_barriers=stages),  # st_ready
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # q_free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # do_free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # st_free
+    )
+    dkv_out = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    if n_cols:
+        dkv_out.append(jax.ShapeDtypeStruct(cols.shape, jnp.float32))
+    extra = [*([rows] if n_rows else []), *([cols] if n_cols else [])]
+    dkv = plgpu.kernel(
+        dkv_kernel,
+        out_type=tuple(dkv_out),
+        grid=(kv_heads, kv_seq // (COMPUTE_WGS * bk), bsz),
+        grid_names=("heads", "k_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        scratch_types=(dkv_scratch, dkv_barriers),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, dout, stats, *extra)
+    dk, dv = dkv[0], dkv[1]
+    dcols = dkv[2] if n_cols else cols
+
+    # ---- dQ: grid (query heads, query blocks of 128, batch); stream key tiles
+    n_kv_tiles = kv_seq // bk
+
+    def dq_kernel(*refs):
+        q_ref, k_ref, v_ref, do_ref, st_ref = refs[:5]
+        i = 5
+        rows_ref = refs[i] if n_rows else None
+        i += bool(n_rows)
+        cols_ref = refs[i] if n_cols else None
+        i += bool(n_cols)
+        dq_ref = refs[i]
+        i += 1
+        drows_ref = refs[i] if n_rows else None
+        i += bool(n_rows)
+        scratch, barriers = refs[i:]
+        q_smem2, do_smem2, st_smem2, k_smem, v_smem, drow_smem2 = scratch
+        q_ready, do_ready, st_ready, k_ready, v_ready, k_free, v_free = barriers
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        kvh = lax.div(h, jnp.array(group, h.dtype))
+        cta_q0 = lax.axis_index("q_tiles") * (COMPUTE_WGS * bq)
+        c_lo, c_hi, _, _ = _ranges(geometry, cta_q0, cta_q0 + COMPUTE_WGS * bq, bk, n_kv_tiles)
+
+        def slot_of(step):
+            return lax.rem(step - c_lo, jnp.array(stages, jnp.int32))
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q0 = cta_q0 + wg * bq
+            q_smem, do_smem, st_smem = q_smem2.at[wg], do_smem2.at[wg], st_smem2.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, bq), h], do_smem, do_ready.at[wg])
+            plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, pl.ds(q0, bq)], st_smem,
+                                    st_ready.at[wg])
+            lo, hi, full_lo, full_hi = _ranges(geometry, q0, q0 + bq, bk, n_kv_tiles)
+            q_pos = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma) + q0
+            kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma)
+            row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(1), (bq, bk), 0)
+                             for r in range(n_rows))
+            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(do_ready.at[wg])
+            plgpu.barrier_wait(st_ready.at[wg])
+            lse_b = lax.broadcast_in_dim(plgpu.load(st_smem.at[0], layout=wgmma.reduce(1)),
+                                         (bq, bk), [0])
+            rt_b = lax.broadcast_in_dim(plgpu.load(st_smem.at[1], layout=wgmma.reduce(1)),
+                                        (bq, bk), [0])
+            dq = plgpu.layout_cast(jnp.zeros((bq, dim), jnp.float32), wgmma)
+            drow0 = tuple(plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
+                          for _ in range(n_rows))
+
+            def skip(step, c):
+                slot = slot_of(step)
+                for ready, free in ((k_ready, k_free), (v_ready, v_free)):
+                    plgpu.barrier_wait(ready.at[slot])
+                    plgpu.barrier_arrive(free.at[slot])
+                return c
+
+            def visit(step, c, masked):
+                dq, drows = c
+                slot = slot_of(step)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                kv_pos = kv_iota + step * bk
+                col_vals = tuple(row_input(cols_ref, b, h, c_, step * bk, wgmma.reduce(0),
+                                           (bq, bk), 1) for c_ in range(n_cols))
+                p, vjp = scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b,
+                                          masked)
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def dp_(acc_ref):
+                    plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dp_, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                ds = p * (dp - rt_b)
+                if vjp is not None:
+                    ds, drow_tiles, _ = vjp(ds)
+                    drows = tuple(a + t.sum(axis=1) for a, t in zip(drows, drow_tiles))
+
+                def dq_acc(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+                dq = pl.run_state(dq_acc)(plgpu.ACC.init(dq))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq, drows
+
+            dq, drows = _walk(c_lo, c_hi, (lo, hi, full_lo, full_hi), visit, skip,
+                              (dq, drow0), all_masked=all_masked)
+            if plain:
+                dq = dq * scale
+            q_smem[...] = dq.astype(dtype)
+            for r in range(n_rows):
+                drow_smem2.at[wg, r][...] = drows[r]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, pl.ds(q0, bq), h])
+            for r in range(n_rows):
+                plgpu.copy_smem_to_gmem(drow_smem2.at[wg, r],
+                                        drows_ref.at[b, h, r, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def kv_tile(ref):
+                return lambda step: ref.at[b, pl.ds(step * bk, bk), kvh]
+
+            _produce(pl, plgpu, c_lo, c_hi, stages,
+                     [(kv_tile(k_ref), k_smem, k_ready, k_free),
+                      (kv_tile(v_ref), v_smem, v_ready, v_free)])
+
+    qd_scratch = plgpu.SMEM((COMPUTE_WGS, bq, dim), dtype, transforms=(tiling, swizzle))
+    kvs_scratch = plgpu.SMEM((stages, bk, dim), dtype, transforms=(tiling, swizzle))
+    dq_scratch = (qd_scratch, qd_scratch, plgpu.SMEM((COMPUTE_WGS, 2, bq), jnp.float32),
+                  kvs_scratch, kvs_scratch,
+                  plgpu.SMEM((COMPUTE_WGS, max(n_rows, 1), bq), jnp.float32))
+    dq_barriers = (
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # q_ready
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # do_ready
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # st_ready
+        plgpu.Barrier(num_barriers=stages),  # k_ready
+        plgpu.Barrier(num_barriers=stages),  # v_ready
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # k_free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # v_free
+    )
+    dq_out = [jax.ShapeDtypeStruct(q.shape, dtype)]
+    if n_rows:
+        dq_out.append(jax.ShapeDtypeStruct(rows.shape, jnp.float32))
+    dqr = plgpu.kernel(
+        dq_kernel,
+        out_type=tuple(dq_out),
+        grid=(q_heads, q_seq // (COMPUTE_WGS * bq), bsz),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        scratch_types=(dq_scratch, dq_barriers),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, dout, stats, *extra)
+    dq = dqr[0]
+    drows = dqr[1] if n_rows else rows
+    return dq, dk, dv, drows, dcols
