@@ -101,6 +101,7 @@ def _ranges(g: Geometry, q_lo, q_hi, block_kv: int, n_kv_tiles: int):
         full_hi_pos = jnp.minimum(full_hi_pos, q_lo + g.offset + right + 1)
         lo_pos = jnp.maximum(lo_pos, q_lo + g.offset - left)
         full_lo_pos = jnp.maximum(full_lo_pos, q_hi - 1 + g.offset - left)
+    full_hi_pos = jnp.where(q_hi > g.q_len, 0, full_hi_pos)  # rows of padding: masked
     hi = jnp.clip(lax.div(hi_pos + (block_kv - 1), i32(block_kv)), 0, n_kv_tiles)
     lo = jnp.clip(lax.div(jnp.maximum(lo_pos, 0), i32(block_kv)), 0, hi)
     full_lo = jnp.clip(lax.div(full_lo_pos + (block_kv - 1), i32(block_kv)), lo, hi)
@@ -134,8 +135,37 @@ def _q_ranges(g: Geometry, k_lo, k_hi, block_q: int, n_q_tiles: int):
     return lo, hi, full_lo, full_hi
 
 
-def _all_masked(tile_fn) -> bool:
-    return tile_fn is not None and tile_fn.masks
+def _all_masked(tile_fn, tables) -> bool:
+    """Whether every visited tile needs the masks: a mask_mod without a block table."""
+    return tile_fn is not None and tile_fn.masks and tables is None
+
+
+def _with_table(ranges, table_ref, b, h, block):
+    """`ranges` intersected with a block table's row `table_ref[b|0, h|0, block]`."""
+    if table_ref is None:
+        return ranges
+    bt, ht = table_ref.shape[0], table_ref.shape[1]
+    row = table_ref.at[b if bt > 1 else 0, h if ht > 1 else 0, block]
+    lo_t, hi_t, full_lo_t, full_hi_t = (row[i] for i in range(4))
+    lo, hi, full_lo, full_hi = ranges
+    lo = jnp.maximum(lo, lo_t)
+    hi = jnp.maximum(jnp.minimum(hi, hi_t), lo)
+    full_lo = jnp.clip(jnp.maximum(full_lo, full_lo_t), lo, hi)
+    full_hi = jnp.clip(jnp.minimum(full_hi, full_hi_t), full_lo, hi)
+    return lo, hi, full_lo, full_hi
+
+
+def _union(r0, r1):
+    """The CTA's stream: from the first to the last tile of its two warpgroups' ranges."""
+    big = jnp.int32(2**30)
+    lo = jnp.minimum(jnp.where(r0[0] < r0[1], r0[0], big), jnp.where(r1[0] < r1[1], r1[0], big))
+    hi = jnp.maximum(jnp.where(r0[0] < r0[1], r0[1], 0), jnp.where(r1[0] < r1[1], r1[1], 0))
+    lo = jnp.minimum(lo, hi)
+    return lo, hi
+
+
+def _pick(wg, r0, r1):
+    return tuple(jnp.where(wg == 0, a, b) for a, b in zip(r0, r1))
 
 
 def _walk(cta_lo, cta_hi, ranges, visit, skip, carry, *, all_masked: bool):
@@ -178,13 +208,73 @@ def _produce(pl, plgpu, cta_lo, cta_hi, stages: int, items):
 
 
 def _geometry_visible(g: Geometry, q_pos, kv_pos):
-    visible = kv_pos < g.kv_len
+    visible = (kv_pos < g.kv_len) & (q_pos < g.q_len)
     if g.causal:
         visible &= kv_pos <= q_pos + g.offset
     if g.window is not None:
         left, right = g.window
         visible &= (kv_pos >= q_pos + g.offset - left) & (kv_pos <= q_pos + g.offset + right)
     return visible
+
+
+_INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+            "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def _eval_lowerable(jaxpr, consts, args):
+    """Evaluates `jaxpr` by binding its primitives again, with the two that Mosaic GPU does not
+    lower replaced: `add_any` (jax.vjp's sum of cotangents) by `add`, `stop_gradient` (whose
+    work is done once the derivative is traced) by the identity; nested calls inlined."""
+    env = {}
+
+    def read(v):
+        return v.val if hasattr(v, "val") and not hasattr(v, "count") else env[v]
+
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "add_any":
+            outs = [ins[0] + ins[1]]
+        elif name == "stop_gradient":
+            outs = ins[:1]
+        elif name == "integer_pow":  # lowered for few exponents: square and multiply
+            outs = [_power(ins[0], eqn.params["y"])]
+        elif name in _INLINED:
+            inner = eqn.params[_INLINED[name]]
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            outs = _eval_lowerable(inner_jaxpr, getattr(inner, "consts", ()), ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, value in zip(eqn.outvars, outs):
+            env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _power(x, y: int):
+    if y == 0:
+        return jnp.ones_like(x)
+    acc, base, n = None, x, abs(y)
+    while n:
+        if n & 1:
+            acc = base if acc is None else acc * base
+        n >>= 1
+        if n:
+            base = base * base
+    return lax.div(jnp.ones_like(acc), acc) if y < 0 else acc
+
+
+def _lowerable(fn):
+    """`fn`, traced to a jaxpr and emitted again through `_eval_lowerable`."""
+    def run(*args):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        flat = _eval_lowerable(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+    return run
 
 
 def _modify(s, q_pos, kv_pos, b, h, rows, cols, *, scale, softcap, tile_fn, geometry, masked):
@@ -195,7 +285,9 @@ def _modify(s, q_pos, kv_pos, b, h, rows, cols, *, scale, softcap, tile_fn, geom
         s = jnp.tanh(s * (1.0 / softcap)) * softcap
     visible = None
     if tile_fn is not None:
-        s, visible = tile_fn.fn(s, q_pos, kv_pos, b, h, rows, cols)
+        s, fn_visible = _lowerable(tile_fn.fn)(s, q_pos, kv_pos, b, h, rows, cols)
+        if masked:  # a tile outside the masked steps is whole under mask_mod's block table
+            visible = fn_visible
     if masked:
         geo = _geometry_visible(geometry, q_pos, kv_pos)
         visible = geo if visible is None else (visible & geo)
@@ -217,10 +309,12 @@ def default_config(head_dim: int) -> Config:
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config"))
 def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, tile_fn,
-            config: Config):
+            config: Config, tables=None):
     """`(out, lse, max)` for padded `q [B, Sq, Hq, D]`, `k`/`v [B, Skv, Hkv, D]` (Sq a multiple
     of 128, Skv of `config.block_kv`); `rows [B, Hq, n_rows, Sq]`, `cols [B, Hq, n_cols, Skv]`
-    float32 (n = 0: shape with 0). lse/max `[B, Hq, Sq]` float32, natural log."""
+    float32 (n = 0: shape with 0). lse/max `[B, Hq, Sq]` float32, natural log. `tables`: None
+    or the block tables of `_hopper_mods.range_tables` (int32 `[Bt, Ht, blocks, 4]`, forward,
+    dQ, dK/dV): each warpgroup visits only its row's range of them."""
     pl, plgpu = _pallas()
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
@@ -240,11 +334,18 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     # (x * c - m * c) is one FMA per element
     exp_scale = (scale * LOG2E) if plain else LOG2E
 
+    table = None if tables is None else tables[0]
+
     def kernel(*refs):
         q_ref, k_ref, v_ref = refs[:3]
-        rows_ref = refs[3] if n_rows else None
-        cols_ref = refs[3 + bool(n_rows)] if n_cols else None
-        out_ref, lse_ref, max_ref, scratch, barriers = refs[3 + bool(n_rows) + bool(n_cols):]
+        at = 3
+        rows_ref = refs[at] if n_rows else None
+        at += bool(n_rows)
+        cols_ref = refs[at] if n_cols else None
+        at += bool(n_cols)
+        table_ref = refs[at] if table is not None else None
+        at += table is not None
+        out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
         k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
         b = lax.axis_index("batch")
@@ -252,8 +353,12 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
         cta_q0 = lax.axis_index("q_tiles") * (COMPUTE_WGS * block_q)
-        cta_lo, cta_hi, _, _ = _ranges(geometry, cta_q0, cta_q0 + COMPUTE_WGS * block_q,
-                                       block_kv, n_kv_tiles)
+        wg_ranges = [
+            _with_table(_ranges(geometry, cta_q0 + w * block_q, cta_q0 + (w + 1) * block_q,
+                                block_kv, n_kv_tiles),
+                        table_ref, b, h, lax.div(cta_q0, jnp.int32(block_q)) + w)
+            for w in range(COMPUTE_WGS)]
+        cta_lo, cta_hi = _union(*wg_ranges)
 
         def slot_of(step):
             return lax.rem(step - cta_lo, jnp.array(stages, jnp.int32))
@@ -267,8 +372,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             plgpu.set_max_registers(232, action="increase")
             qo_smem = qo_smem2.at[wg]
             q0 = cta_q0 + wg * block_q
-            lo, hi, full_lo, full_hi = _ranges(geometry, q0, q0 + block_q, block_kv,
-                                               n_kv_tiles)
+            own = _pick(wg, *wg_ranges)
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo_smem,
                                     q_ready.at[wg])
             q_pos = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
@@ -342,8 +446,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, denom
 
-            carry = _walk(cta_lo, cta_hi, (lo, hi, full_lo, full_hi), visit, skip,
-                          (acc, m, denom), all_masked=_all_masked(tile_fn))
+            carry = _walk(cta_lo, cta_hi, own, visit, skip, (acc, m, denom),
+                          all_masked=_all_masked(tile_fn, table))
             acc, m, denom = carry
             pl.when(wg == 0)(take_turn)
 
@@ -399,7 +503,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         thread_name="wg",
         scratch_types=(scratch, barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, *([rows] if n_rows else []), *([cols] if n_cols else []))
+    )(q, k, v, *([rows] if n_rows else []), *([cols] if n_cols else []),
+      *([table] if table is not None else []))
 
 
 def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
@@ -409,11 +514,14 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
     def f(s, rows, cols):
         return mod(s, q_pos, kv_pos, b, h, rows, cols, masked=masked)[0]
 
-    x, pullback = jax.vjp(f, s, row_vals, col_vals)
+    def pull(s, rows, cols, dx):
+        return jax.vjp(f, s, rows, cols)[1](dx)
+
+    x = f(s, row_vals, col_vals)
     visible = (x > -jnp.inf) if masked else None
 
     def vjp(dx):
-        ds, drows, dcols = pullback(dx)
+        ds, drows, dcols = _lowerable(pull)(s, row_vals, col_vals, dx)
         if visible is not None:
             ds = jnp.where(visible, ds, 0.0)
             drows = tuple(jnp.where(visible, d, 0.0) for d in drows)
@@ -426,7 +534,7 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config"))
 def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap,
-             geometry: Geometry, tile_fn, config: Config):
+             geometry: Geometry, tile_fn, config: Config, tables=None):
     """`(dq, dk, dv, drows, dcols)` of `forward` (same padded shapes), given the cotangents of
     out and lse. dS = P * (dP - (D - dlse)), D = rowsum(dO * O), in two kernels: dK/dV (a CTA
     per 128 keys of a kv head, over the query tiles of every query head of its group) and dQ (a
@@ -442,7 +550,9 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     exp_scale = (scale * LOG2E) if plain else LOG2E
     mod = functools.partial(_modify, scale=scale, softcap=softcap, tile_fn=tile_fn,
                             geometry=geometry)
-    all_masked = _all_masked(tile_fn)
+    all_masked = _all_masked(tile_fn, tables)
+    dq_table = None if tables is None else tables[1]
+    dkv_table = None if tables is None else tables[2]
     wgmma = plgpu.Layout.WGMMA
     # per row: lse in log2 units (+inf for a row that sees nothing, so that P = 0 there) and
     # the row term D - dlse
@@ -479,6 +589,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += bool(n_rows)
         cols_ref = refs[i] if n_cols else None
         i += bool(n_cols)
+        table_ref = refs[i] if dkv_table is not None else None
+        i += dkv_table is not None
         dk_ref, dv_ref = refs[i:i + 2]
         i += 2
         dcols_ref = refs[i] if n_cols else None
@@ -490,7 +602,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         kvh = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         cta_k0 = lax.axis_index("k_tiles") * (COMPUTE_WGS * bk)
-        c_lo, c_hi, _, _ = _q_ranges(geometry, cta_k0, cta_k0 + COMPUTE_WGS * bk, bq, n_q_tiles)
+        wg_ranges = [
+            _with_table(_q_ranges(geometry, cta_k0 + w * bk, cta_k0 + (w + 1) * bk, bq,
+                                  n_q_tiles),
+                        table_ref, b, kvh, lax.div(cta_k0, jnp.int32(bk)) + w)
+            for w in range(COMPUTE_WGS)]
+        c_lo, c_hi = _union(*wg_ranges)
         n_steps = c_hi - c_lo  # per query head; the stream runs over group * n_steps
 
         def slot_of(t):
@@ -503,7 +620,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kvh], k_smem, k_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kvh], v_smem, v_ready.at[wg])
-            lo, hi, full_lo, full_hi = _q_ranges(geometry, k0, k0 + bk, bq, n_q_tiles)
+            own = _pick(wg, *wg_ranges)
             # the transposed tile: keys down (axis 0), queries across (axis 1)
             kv_pos = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma) + k0
             q_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma)
@@ -573,8 +690,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                     plgpu.barrier_arrive(q_free.at[slot])
                     return dk, dv, dcols
 
-                dk, dv, dcols = _walk(c_lo, c_hi, (lo, hi, full_lo, full_hi), visit, skip,
-                                      (dk, dv, dcol0), all_masked=all_masked)
+                dk, dv, dcols = _walk(c_lo, c_hi, own, visit, skip, (dk, dv, dcol0),
+                                      all_masked=all_masked)
                 for c in range(n_cols):
                     dcol_smem = dcol_smem2.at[wg, c]
                     dcol_smem[...] = dcols[c]
@@ -635,6 +752,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     if n_cols:
         dkv_out.append(jax.ShapeDtypeStruct(cols.shape, jnp.float32))
     extra = [*([rows] if n_rows else []), *([cols] if n_cols else [])]
+    dkv_extra = extra + ([dkv_table] if dkv_table is not None else [])
+    dq_extra = extra + ([dq_table] if dq_table is not None else [])
     dkv = plgpu.kernel(
         dkv_kernel,
         out_type=tuple(dkv_out),
@@ -644,7 +763,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         thread_name="wg",
         scratch_types=(dkv_scratch, dkv_barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, dout, stats, *extra)
+    )(q, k, v, dout, stats, *dkv_extra)
     dk, dv = dkv[0], dkv[1]
     dcols = dkv[2] if n_cols else cols
 
@@ -658,6 +777,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += bool(n_rows)
         cols_ref = refs[i] if n_cols else None
         i += bool(n_cols)
+        table_ref = refs[i] if dq_table is not None else None
+        i += dq_table is not None
         dq_ref = refs[i]
         i += 1
         drows_ref = refs[i] if n_rows else None
@@ -670,7 +791,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
         cta_q0 = lax.axis_index("q_tiles") * (COMPUTE_WGS * bq)
-        c_lo, c_hi, _, _ = _ranges(geometry, cta_q0, cta_q0 + COMPUTE_WGS * bq, bk, n_kv_tiles)
+        wg_ranges = [
+            _with_table(_ranges(geometry, cta_q0 + w * bq, cta_q0 + (w + 1) * bq, bk,
+                                n_kv_tiles),
+                        table_ref, b, h, lax.div(cta_q0, jnp.int32(bq)) + w)
+            for w in range(COMPUTE_WGS)]
+        c_lo, c_hi = _union(*wg_ranges)
 
         def slot_of(step):
             return lax.rem(step - c_lo, jnp.array(stages, jnp.int32))
@@ -684,7 +810,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q0, bq), h], do_smem, do_ready.at[wg])
             plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, pl.ds(q0, bq)], st_smem,
                                     st_ready.at[wg])
-            lo, hi, full_lo, full_hi = _ranges(geometry, q0, q0 + bq, bk, n_kv_tiles)
+            own = _pick(wg, *wg_ranges)
             q_pos = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma) + q0
             kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma)
             row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(1), (bq, bk), 0)
@@ -742,8 +868,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq, drows
 
-            dq, drows = _walk(c_lo, c_hi, (lo, hi, full_lo, full_hi), visit, skip,
-                              (dq, drow0), all_masked=all_masked)
+            dq, drows = _walk(c_lo, c_hi, own, visit, skip, (dq, drow0),
+                              all_masked=all_masked)
             if plain:
                 dq = dq * scale
             q_smem[...] = dq.astype(dtype)
@@ -793,7 +919,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         thread_name="wg",
         scratch_types=(dq_scratch, dq_barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, dout, stats, *extra)
+    )(q, k, v, dout, stats, *dq_extra)
     dq = dqr[0]
     drows = dqr[1] if n_rows else rows
     return dq, dk, dv, drows, dcols

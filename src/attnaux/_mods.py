@@ -8,9 +8,13 @@ Three backends serve the functions:
   instruction by instruction (JAX's rules), so captured arrays get their gradients, and skip
   the 64 x 64 tiles that `mask_mod` hides (a table built once per static shape). `auto` picks it
   on CPU whenever the functions translate.
+- `flash` (GPU, Hopper): attnaux's own Pallas Mosaic GPU kernels (`_flash_hopper.py`) run the
+  part of the program that depends on both positions (or the score) inside their tiles and
+  take what depends on one side only as per-row / per-column inputs computed by XLA
+  (`_hopper_mods.py`); the backward kernels differentiate the tile part with `jax.vjp`, XLA
+  the rest; mask_mod's block table becomes each tile row's visiting range.
 - `flex`: blockwise online softmax in JAX (`_flex.py`), compiled by XLA on every platform; it
-  serves what does not translate (and the GPU, until cuDNN takes score programs), and `explain`
-  says which operation stopped the translation.
+  serves what the compiled kernels do not, and `explain` says what stopped them.
 - `reference`: the scores materialised (the test oracle; serves `return_probs`).
 """
 
@@ -19,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _flash_cpu, _flex
+from . import _flash_cpu, _flex, _hopper_mods
 from ._score_program import ScoreProgram, Untranslatable, pack_consts, translate
 
 MOD_BACKENDS = ("auto", "flash", "flex", "reference")
@@ -40,13 +44,15 @@ class ModsChoice(NamedTuple):
     extras: tuple
     tile_mask: np.ndarray | None
     reasons: dict
+    split: Any = None  # _hopper_mods.Split on a Hopper GPU
 
 
 def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) -> None:
     if backend not in MOD_BACKENDS:
         raise ValueError(
-            f"`score_mod` and `mask_mod` are served by backend 'flash' (CPU: compiled into the "
-            f"C++ kernels), 'flex' (blockwise, compiled by XLA) or 'reference' (materialised); "
+            f"`score_mod` and `mask_mod` are served by backend 'flash' (compiled into the C++ "
+            f"kernels on CPU, attnaux's own kernels on Hopper GPUs), 'flex' (blockwise, "
+            f"compiled by XLA) or 'reference' (materialised); "
             f"got backend={backend!r}."
         )
     if bias is not None:
@@ -64,13 +70,28 @@ def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) ->
                          "(return_probs=True); use backend='reference' (materialised) or 'auto'.")
 
 
+def _hopper(problem, mods, consts, dense):
+    """`(program, extras, tile_mask, split, None)` when attnaux's Hopper kernels can run the
+    functions, else `(None, (), None, None, why not)`."""
+    why = _hopper_mods.unavailable(problem)
+    if why is not None:
+        return None, (), None, None, why
+    try:
+        program, extras = translate(mods.score_scalar, mods.n_score, mods.mask_scalar,
+                                    mods.n_mask, consts)
+        split = _hopper_mods.split(program)
+    except Untranslatable as error:
+        return None, (), None, None, str(error)
+    tile_mask = None if dense is None else _flex.tiles_of(dense, 64)
+    return program, extras, tile_mask, split, None
+
+
 def _compiled(problem, mods, consts, dense, platform: str):
     """`(program, extras, tile_mask, None)` when the CPU kernels can run the functions, else
     `(None, (), None, why not)`."""
     if platform != "cpu":
         return None, (), None, (
-            f"score programs run in the CPU kernels only; on {platform!r} the flex path serves "
-            "them (cuDNN score modifiers are not translated yet)")
+            f"score programs run in the CPU kernels and on Hopper GPUs; not on {platform!r}")
     why = _flash_cpu.mod_unavailable(platform)
     if why is not None:
         return None, (), None, why
@@ -104,13 +125,27 @@ def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
     dense, why_not = _flex.dense_mask(mods, consts, bsz, q_heads, q_seq, kv_seq)
     table = _flex.block_table(mods, consts, options, bsz, q_heads, q_seq, kv_seq, dense, why_not)
     platform = jax.default_backend()
-    program, extras, tile_mask, why = _compiled(problem, mods, consts, dense, platform)
+    split = None
+    if platform == "gpu":
+        program, extras, tile_mask, split, why = _hopper(problem, mods, consts, dense)
+    else:
+        program, extras, tile_mask, why = _compiled(problem, mods, consts, dense, platform)
     if backend == "flash" and program is None:
         raise ValueError(f"backend='flash' cannot serve this score_mod/mask_mod: {why}.")
     chosen = backend
     if backend == "auto":
         chosen = "reference" if return_probs else "flash" if program is not None else "flex"
-    if program is not None:
+    if split is not None:
+        tiles = ""
+        if tile_mask is not None:
+            kept = float((tile_mask > 0).mean())
+            tiles = f"; mask_mod's block table keeps {kept:.1%} of the 64 x 64 tiles"
+        elif why_not:
+            tiles = f"; {why_not}: no tile skipped by it"
+        flash = (f"attnaux's Hopper kernels run the functions: {len(split.kernel)} of "
+                 f"{program.n_instr} instructions inside the tiles, {len(split.rows)} per-row "
+                 f"and {len(split.cols)} per-column inputs computed ahead by XLA{tiles}")
+    elif program is not None:
         tiles = ""
         if tile_mask is not None:
             kept = float((tile_mask > 0).mean())
@@ -136,15 +171,16 @@ def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
             f"; not chosen: asked for {chosen}"),
         "reference": "materialises the q_seq x kv_seq scores" + (
             "; chosen" if chosen == "reference" else ""),
-        "probs": "does not serve score_mod/mask_mod: flash (CPU) and flex do",
-        "small_seq": "does not serve score_mod/mask_mod: flash (CPU) and flex do",
+        "probs": "does not serve score_mod/mask_mod: flash and flex do",
+        "small_seq": "does not serve score_mod/mask_mod: flash and flex do",
     }
     implementation = {
-        "flash": f"C++ (XLA FFI, {platform}) with a score program",
+        "flash": ("Pallas Mosaic GPU (attnaux's Hopper kernels) with a split score program"
+                  if split is not None else f"C++ (XLA FFI, {platform}) with a score program"),
         "flex": "JAX (XLA-compiled)", "reference": "JAX (XLA-compiled), materialised",
     }[chosen]
     return ModsChoice(chosen, implementation, mods, consts, table, program, extras, tile_mask,
-                      reasons)
+                      reasons, split)
 
 
 def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_seqlens,
@@ -160,7 +196,10 @@ def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_
     c = choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
     arrays, options = problem.arrays, problem.options
     probs = None
-    if c.backend == "flash":
+    if c.backend == "flash" and c.split is not None:
+        out, lse, row_max = _hopper_mods.run(arrays, options, c.split, (*c.consts, *c.extras),
+                                             c.tile_mask)
+    elif c.backend == "flash":
         flat = pack_consts(c.program, c.consts, c.extras)
         out, lse, row_max = _flash_cpu.run_mods(arrays, options, c.program, flat, c.tile_mask)
     elif c.backend == "flex":
