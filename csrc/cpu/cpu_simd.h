@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace attnaux::cpu {
 
 #if defined(__AVX512F__)
@@ -40,8 +44,19 @@ inline VecF Exp(VecF x) {
   const VecF kHi = Splat(88.3762626647949f);
   const VecF kLo = Splat(-87.3365447505531f);
   const float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer.
+#if defined(__AVX512F__)
+  // One min for the upper clamp (min(kHi, x) keeps a NaN x); no lower clamp: vscalefps takes any
+  // n, and x < kLo is replaced by 0 at the end. Bitwise the portable version's results.
+  static_assert(kLanes == 16, "AVX-512 vectors");
+  __m512 xm;
+  std::memcpy(&xm, &x, sizeof(xm));
+  const __m512 xcm = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), xm);
+  VecF xc;
+  std::memcpy(&xc, &xcm, sizeof(xc));
+#else
   VecF xc = x > kHi ? kHi : x;
   xc = xc < kLo ? kLo : xc;
+#endif
   VecF t = xc * 1.44269504088896341f + kMagic;
   VecF n = t - kMagic;
   VecF r = xc - n * 0.693359375f;
@@ -53,10 +68,21 @@ inline VecF Exp(VecF x) {
   poly = poly * r + 1.6666665459e-1f;
   poly = poly * r + 5.0000001201e-1f;
   poly = poly * (r * r) + r + 1.0f;
+#if defined(__AVX512F__)
+  // poly * 2^n in one instruction (the same exact product as building 2^n's bits below)
+  __m512 pm, nm;
+  std::memcpy(&pm, &poly, sizeof(pm));
+  std::memcpy(&nm, &n, sizeof(nm));
+  const __m512 scaled = _mm512_scalef_ps(pm, nm);
+  VecF result;
+  std::memcpy(&result, &scaled, sizeof(result));
+  (void)kHi;
+#else
   VecI magic_bits = (VecI)Splat(kMagic);
   VecI n_int = (VecI)t - magic_bits;
   VecF pow2 = (VecF)((n_int + 127) << 23);
   VecF result = poly * pow2;
+#endif
   return x < kLo ? VecF{} : result;
 }
 
