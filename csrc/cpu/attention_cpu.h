@@ -154,94 +154,104 @@ inline const float* CleanRows(const float* rows, int64_t ld, int64_t n, int64_t 
 // Forward
 // ---------------------------------------------------------------------------------------------
 
-// One (batch, query head, query block): online softmax over the visible key blocks.
-inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, int64_t h,
-                         int64_t ib, const ForwardOutputs& outputs, TileScratch& scratch,
-                         float* qt, float* ot) {
-  const int64_t d = p.head_dim, dv = p.v_dim;
-  const HeadView hv(p, b, h);
-  const int64_t i0 = ib * kBlockQ;
-  const int64_t rows_in_block = std::min(kBlockQ, p.q_len - i0);
-  const int64_t valid = std::min(hv.rows.ValidRows(i0), rows_in_block);
-
-  // Q^T of the block, zero beyond the valid rows.
-  std::fill(qt, qt + d * kBlockQ, 0.0f);
-  {
-    std::vector<float> row(d);
-    for (int64_t lane = 0; lane < valid; ++lane) {
-      LoadRow(p.elem, p.q, ((b * p.q_len + i0 + lane) * p.q_heads + h) * d, d, row.data());
-      for (int64_t x = 0; x < d; ++x) qt[x * kBlockQ + lane] = row[x];
-    }
-  }
-  std::fill(ot, ot + dv * kBlockQ, 0.0f);
+// The running state of one query block in the forward: Q^T, the unnormalised O^T, and the online
+// softmax's row max and sum (one lane per query row).
+struct ForwardRows {
+  int64_t i0 = 0, rows_in_block = 0, valid = 0;
+  float* qt = nullptr;  // [D][BQ], zero beyond the valid rows
+  float* ot = nullptr;  // [Dv][BQ]
   VecF m[kQVectors], l[kQVectors];
-  for (int v = 0; v < kQVectors; ++v) {
-    m[v] = Splat(-kInf);
-    l[v] = VecF{};
-  }
+};
 
-  const int64_t num_kv_blocks = CeilDiv(p.kv_len, kBlockK);
+inline void ForwardRowsBegin(const AttentionParams& p, const HeadView& hv, int64_t b, int64_t h,
+                             int64_t ib, ForwardRows& st) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  st.i0 = ib * kBlockQ;
+  st.rows_in_block = std::min(kBlockQ, p.q_len - st.i0);
+  st.valid = std::min(hv.rows.ValidRows(st.i0), st.rows_in_block);
+  std::fill(st.qt, st.qt + d * kBlockQ, 0.0f);
+  std::vector<float> row(d);
+  for (int64_t lane = 0; lane < st.valid; ++lane) {
+    LoadRow(p.elem, p.q, ((b * p.q_len + st.i0 + lane) * p.q_heads + h) * d, d, row.data());
+    for (int64_t x = 0; x < d; ++x) st.qt[x * kBlockQ + lane] = row[x];
+  }
+  std::fill(st.ot, st.ot + dv * kBlockQ, 0.0f);
+  for (int v = 0; v < kQVectors; ++v) {
+    st.m[v] = Splat(-kInf);
+    st.l[v] = VecF{};
+  }
+}
+
+// Key block jb of one query block: scores, online softmax update, O^T += V^T P^T.
+inline void ForwardRowsTile(const AttentionParams& p, const KvPack& kv, const HeadView& hv,
+                            int64_t jb, ForwardRows& rs, TileScratch& scratch) {
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const int64_t i0 = rs.i0, valid = rs.valid;
   float* st = scratch.scores.get();
   float* drop = scratch.drop.get();
-  for (int64_t jb = 0; jb < num_kv_blocks; ++jb) {
-    int64_t j0, j1;
-    TileKeys(hv, i0, valid, jb, &j0, &j1);
-    if (j0 >= j1) continue;
-    const int64_t nk = j1 - j0;
-    ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qt, st, nullptr, nullptr,
-              &scratch.program_regs);
-    const float* v_tile = kv.v_rows + j0 * dv;
-    if (kv.nonfinite[jb] != 0.0f) {
-      const HiddenInTile hidden(st, nk, valid);
-      if (hidden.any_key) v_tile = CleanRows(v_tile, dv, nk, dv, hidden.keys, scratch.clean);
-    }
-    // Online softmax update, per lane (= query row).
-    VecF alpha[kQVectors];
-    for (int v = 0; v < kQVectors; ++v) {
-      VecF tile_max = Splat(-kInf);
+  int64_t j0, j1;
+  TileKeys(hv, i0, valid, jb, &j0, &j1);
+  if (j0 >= j1) return;
+  const int64_t nk = j1 - j0;
+  VecF fused_max[kQVectors];
+  const bool have_max = ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, rs.qt, st,
+                                  nullptr, nullptr, &scratch.program_regs, fused_max);
+  const float* v_tile = kv.v_rows + j0 * dv;
+  if (kv.nonfinite[jb] != 0.0f) {
+    const HiddenInTile hidden(st, nk, valid);
+    if (hidden.any_key) v_tile = CleanRows(v_tile, dv, nk, dv, hidden.keys, scratch.clean);
+  }
+  // Online softmax update, per lane (= query row).
+  VecF alpha[kQVectors];
+  for (int v = 0; v < kQVectors; ++v) {
+    VecF tile_max = Splat(-kInf);
+    if (have_max) {
+      tile_max = fused_max[v];
+    } else {
       for (int64_t r = 0; r < nk; ++r) {
         tile_max = Max(tile_max, Load(st + r * kBlockQ + v * kLanes));
       }
-      VecF m_new = Max(m[v], tile_max);
-      // A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (exp(-inf) = 0).
-      VecF m_use = m_new == -kInf ? VecF{} : m_new;
-      alpha[v] = Exp(m[v] - m_use);
-      VecF sum = VecF{};
-      for (int64_t r = 0; r < nk; ++r) {
-        float* sp = st + r * kBlockQ + v * kLanes;
-        VecF pr = Exp(Load(sp) - m_use);
-        sum += pr;
-        Store(sp, pr);
-      }
-      l[v] = l[v] * alpha[v] + sum;
-      m[v] = m_new;
     }
-    if (hv.dropout()) {
-      DropoutTile(hv, i0, valid, j0, j1, drop);
-      for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
-        Store(st + x, Load(st + x) * Load(drop + x));
-      }
+    VecF m_new = Max(rs.m[v], tile_max);
+    // A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (exp(-inf) = 0).
+    VecF m_use = m_new == -kInf ? VecF{} : m_new;
+    alpha[v] = Exp(rs.m[v] - m_use);
+    VecF sum = VecF{};
+    for (int64_t r = 0; r < nk; ++r) {
+      float* sp = st + r * kBlockQ + v * kLanes;
+      VecF pr = Exp(Load(sp) - m_use);
+      sum += pr;
+      Store(sp, pr);
     }
-    for (int64_t x = 0; x < dv; ++x) {
-      for (int v = 0; v < kQVectors; ++v) {
-        float* op = ot + x * kBlockQ + v * kLanes;
-        Store(op, Load(op) * alpha[v]);
-      }
-    }
-    GemmLanes<1>(dv, nk, v_tile, dv, st, kBlockQ, kQVectors, ot, kBlockQ, true);
+    rs.l[v] = rs.l[v] * alpha[v] + sum;
+    rs.m[v] = m_new;
   }
+  if (hv.dropout()) {
+    DropoutTile(hv, i0, valid, j0, j1, drop);
+    for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
+      Store(st + x, Load(st + x) * Load(drop + x));
+    }
+  }
+  // O^T = O^T * alpha + V^T P^T (the rescale as the product loads O^T)
+  GemmFuse fuse;
+  fuse.c_scale = alpha;
+  GemmLanes<1>(dv, nk, v_tile, dv, st, kBlockQ, kQVectors, rs.ot, kBlockQ, true, &fuse);
+}
 
-  // Final statistics and output rows.
+// Final statistics and output rows of one query block.
+inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t b, int64_t h,
+                           const ForwardRows& rs, const ForwardOutputs& outputs) {
+  const int64_t dv = p.v_dim;
   float m_row[kBlockQ], l_row[kBlockQ];
   for (int v = 0; v < kQVectors; ++v) {
-    Store(m_row + v * kLanes, m[v]);
-    Store(l_row + v * kLanes, l[v]);
+    Store(m_row + v * kLanes, rs.m[v]);
+    Store(l_row + v * kLanes, rs.l[v]);
   }
   std::vector<float> out_row(dv);
-  for (int64_t lane = 0; lane < rows_in_block; ++lane) {
-    const int64_t i = i0 + lane;
+  for (int64_t lane = 0; lane < rs.rows_in_block; ++lane) {
+    const int64_t i = rs.i0 + lane;
     float mx = -kInf, lse = -kInf, factor = 0.0f;
-    if (lane < valid) {
+    if (lane < rs.valid) {
       mx = m_row[lane];
       const float sum = l_row[lane];
       if (hv.has_sink) {
@@ -261,11 +271,38 @@ inline void ForwardBlock(const AttentionParams& p, const KvPack& kv, int64_t b, 
     outputs.lse[stat] = lse;
     outputs.max[stat] = mx;
     for (int64_t x = 0; x < dv; ++x) {
-      out_row[x] = factor == 0.0f ? 0.0f : ot[x * kBlockQ + lane] * factor;
+      out_row[x] = factor == 0.0f ? 0.0f : rs.ot[x * kBlockQ + lane] * factor;
     }
     StoreRow(p.elem, outputs.out, ((b * p.q_len + i) * p.q_heads + h) * dv, dv, out_row.data());
   }
 }
+
+// Query blocks [ib0, ib0 + nblocks) of one (batch, query head): online softmax over the visible
+// key blocks, every query block against a key block before the next key block, so that K and V
+// stream from memory once for all of them (then from L2). Each query block's arithmetic is that
+// of a group of one: results do not depend on the grouping. qt_all / ot_all: nblocks x
+// [D][BQ] / [Dv][BQ] of scratch.
+inline void ForwardBlocks(const AttentionParams& p, const KvPack& kv, int64_t b, int64_t h,
+                          int64_t ib0, int64_t nblocks, const ForwardOutputs& outputs,
+                          TileScratch& scratch, float* qt_all, float* ot_all) {
+  constexpr int64_t kMaxGroup = 8;
+  const HeadView hv(p, b, h);
+  ForwardRows rows[kMaxGroup];
+  nblocks = std::min(nblocks, kMaxGroup);
+  for (int64_t g = 0; g < nblocks; ++g) {
+    rows[g].qt = qt_all + g * p.head_dim * kBlockQ;
+    rows[g].ot = ot_all + g * p.v_dim * kBlockQ;
+    ForwardRowsBegin(p, hv, b, h, ib0 + g, rows[g]);
+  }
+  const int64_t num_kv_blocks = CeilDiv(p.kv_len, kBlockK);
+  for (int64_t jb = 0; jb < num_kv_blocks; ++jb) {
+    for (int64_t g = 0; g < nblocks; ++g) ForwardRowsTile(p, kv, hv, jb, rows[g], scratch);
+  }
+  for (int64_t g = 0; g < nblocks; ++g) ForwardRowsEnd(p, hv, b, h, rows[g], outputs);
+}
+
+// Query blocks that one forward task takes through the key blocks together (ForwardBlocks).
+inline constexpr int64_t kForwardGroup = 4;
 
 // Rows of K/V packed per batch chunk, so that scratch stays bounded for huge batches. The chunk
 // depends only on shapes, never on threads.
@@ -289,15 +326,27 @@ inline void FlashForward(const AttentionParams& params, const ForwardOutputs& ou
     ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
       PackKv(p, b0 + t / p.kv_heads, t % p.kv_heads, layout, packed.get() + t * layout.size());
     });
-    ParallelFor(pool, nb * p.q_heads * num_q_blocks, [&](int64_t t) {
-      const int64_t ib = t % num_q_blocks;
-      const int64_t h = (t / num_q_blocks) % p.q_heads;
-      const int64_t bl = t / (num_q_blocks * p.q_heads);
+    // Query blocks per task: when a kv head's packed K and V outgrow half an L2 (2 MiB per core
+    // here), several query blocks share each K/V tile's trip from memory (then the tile is in
+    // L2 for the others), as long as there are still a few tasks per thread. The grouping never
+    // changes what a block computes.
+    const int64_t threads = pool != nullptr ? std::max<int64_t>(pool->num_threads(), 1) : 1;
+    const int64_t all_blocks = nb * p.q_heads * num_q_blocks;
+    const bool big_kv = (layout.kt_size() + layout.v_size()) * static_cast<int64_t>(sizeof(float)) >
+                        (int64_t{1} << 20);
+    const int64_t group =
+        big_kv ? std::clamp<int64_t>(all_blocks / (8 * threads), 1, kForwardGroup) : 1;
+    const int64_t tasks_per_head = CeilDiv(num_q_blocks, group);
+    ParallelFor(pool, nb * p.q_heads * tasks_per_head, [&](int64_t t) {
+      const int64_t ib = (t % tasks_per_head) * group;
+      const int64_t h = (t / tasks_per_head) % p.q_heads;
+      const int64_t bl = t / (tasks_per_head * p.q_heads);
       const int64_t hkv = h / p.group();
+      const int64_t n = std::min(group, num_q_blocks - ib);
       TileScratch scratch;
-      FloatBuffer qt(p.head_dim * kBlockQ), ot(p.v_dim * kBlockQ);
+      FloatBuffer qt(n * p.head_dim * kBlockQ), ot(n * p.v_dim * kBlockQ);
       const KvPack kv = KvPackAt(layout, packed.get() + (bl * p.kv_heads + hkv) * layout.size());
-      ForwardBlock(p, kv, b0 + bl, h, ib, outputs, scratch, qt.get(), ot.get());
+      ForwardBlocks(p, kv, b0 + bl, h, ib, n, outputs, scratch, qt.get(), ot.get());
     });
   }
 }

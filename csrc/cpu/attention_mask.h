@@ -213,24 +213,39 @@ inline bool OneSegment(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0
 // with scale, softcap, score program, bias and visibility applied (invisible: -inf). Lanes >=
 // valid are left as computed from zero queries (finite) unless the tile needs masking or runs a
 // program (then -inf). With a program, `raw` (when not null) keeps the scores it read.
-inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
+// `tile_max` (when not null): if the product's scaled scores are the final ones (no softcap,
+// program, bias or mask on this tile), their maximum over the keys per vector of lanes, found by
+// the product as it stores them; the return value says whether it was.
+inline bool ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
                       const float* kt_block, const float* qt, float* st, float* tanh_out,
-                      float* raw = nullptr, std::vector<float>* program_regs = nullptr) {
+                      float* raw = nullptr, std::vector<float>* program_regs = nullptr,
+                      VecF* tile_max = nullptr) {
   const AttentionParams& p = hv.p;
   const int64_t nk = j1 - j0;
   const int64_t jb_start = (j0 / kBlockK) * kBlockK;
+  const RowRanges& rows = hv.rows;
+  const bool positions_ok =
+      j0 >= rows.Lo(i0 + valid - 1) && j1 <= rows.Hi(i0);
+  const bool needs_mask = hv.mask != nullptr || !OneSegment(hv, i0, valid, j0, j1) || !positions_ok;
+  const bool plain = !needs_mask && hv.bias == nullptr && hv.program == nullptr &&
+                     !(p.softcap > 0.0f);
+  // S^T = K Q^T, times the scale as the product stores it (and its maximum when plain)
+  GemmFuse fuse;
+  fuse.out_scale = p.scale;
+  fuse.scale_out = true;
+  if (plain && tile_max != nullptr) {
+    for (int v = 0; v < kQVectors; ++v) tile_max[v] = Splat(-kInf);
+    fuse.row_max = tile_max;
+  }
   GemmLanes<1>(nk, p.head_dim, kt_block + (j0 - jb_start), kBlockK, qt, kBlockQ, kQVectors, st,
-               kBlockQ, false);
-  const VecF scale = Splat(p.scale);
+               kBlockQ, false, &fuse);
   if (p.softcap > 0.0f) {
     const VecF cap = Splat(p.softcap), inv_cap = Splat(1.0f / p.softcap);
     for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {
-      VecF t = Tanh(Load(st + x) * scale * inv_cap);
+      VecF t = Tanh(Load(st + x) * inv_cap);
       if (tanh_out != nullptr) Store(tanh_out + x, t);
       Store(st + x, cap * t);
     }
-  } else {
-    for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) Store(st + x, Load(st + x) * scale);
   }
   if (hv.program != nullptr) {
     // a tile that mask_mod shows whole (2 in its block table) needs no mask from it
@@ -242,17 +257,13 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
       std::fill(st + r * kBlockQ + valid, st + (r + 1) * kBlockQ, -kInf);
     }
   }
-  const RowRanges& rows = hv.rows;
-  const bool positions_ok =
-      j0 >= rows.Lo(i0 + valid - 1) && j1 <= rows.Hi(i0);
-  const bool needs_mask = hv.mask != nullptr || !OneSegment(hv, i0, valid, j0, j1) || !positions_ok;
   if (!needs_mask) {
-    if (hv.bias == nullptr) return;
+    if (hv.bias == nullptr) return plain && tile_max != nullptr;
     for (int64_t lane = 0; lane < valid; ++lane) {
       const float* brow = hv.bias + (i0 + lane) * p.bias_stride[2];
       for (int64_t r = 0; r < nk; ++r) st[r * kBlockQ + lane] += brow[(j0 + r) * p.bias_stride[3]];
     }
-    return;
+    return false;
   }
   if (hv.mask == nullptr && hv.q_seg == nullptr) {
     // Positions only (causal diagonal, window edge, valid lengths): the lanes that see key j form
@@ -281,7 +292,7 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
         Store(sp, (lanes >= lane_first) & (lanes < lane_end) ? Load(sp) : Splat(-kInf));
       }
     }
-    return;
+    return false;
   }
   for (int64_t lane = 0; lane < kBlockQ; ++lane) {
     const int64_t i = i0 + lane;
@@ -303,6 +314,7 @@ inline void ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
       st[r * kBlockQ + lane] = visible ? s : -kInf;
     }
   }
+  return false;
 }
 
 // Dropout factors of the tile: keep / (1 - rate), or 0. Lanes >= valid get 0.
