@@ -86,8 +86,8 @@ def main():
                         best(jax.jit(fb), (q, k, v), args.repeats)))
         chosen = ax.explain(q, k, v, **mods).backend
         (af, ab), (xf, xb), (bf, bb), (rf, rb) = row
-        print(f"| {name} | {af * 1e3:.1f} / {ab * 1e3:.1f} ({chosen}) | {xf * 1e3:.1f} / "
-              f"{xb * 1e3:.1f} | {bf * 1e3:.1f} / {bb * 1e3:.1f} | {af / bf:.2f}x / "
+        print(f"| {name} | {af * 1e3:.3f} / {ab * 1e3:.3f} ({chosen}) | {xf * 1e3:.3f} / "
+              f"{xb * 1e3:.3f} | {bf * 1e3:.3f} / {bb * 1e3:.3f} | {af / bf:.2f}x / "
               f"{ab / bb:.2f}x | {xf / bf:.2f}x / {xb / bb:.2f}x | {rf * 1e3:.1f} / "
               f"{rb * 1e3:.1f} |", flush=True)
 

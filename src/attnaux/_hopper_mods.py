@@ -233,6 +233,7 @@ def _step(instr, regs, literals, tables=None, kernel: bool = False):
         table = tables[a]
         idx = tuple(jnp.clip(regs[x], 0, n - 1).astype(jnp.int32)
                     for x, n in zip((b, c, d, e), table.shape))
+        table = jnp.asarray(table)  # extras are NumPy constants
         return _f(table[idx] if idx else table)
     if op == Op.INTEGER_POW:
         return _integer_pow(regs[a], b)

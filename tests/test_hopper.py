@@ -1,0 +1,238 @@
+"""attnaux's own Hopper kernels (`_flash_hopper.py`) and `score_mod`/`mask_mod` on them
+(`_hopper_mods.py`), against float32 references, on a Hopper GPU.
+
+Every test is marked `gpu` (skipped without a GPU, conftest.py) and skipped on a GPU that is not a
+Hopper (compute capability 9.x). Inputs are bfloat16; the references compute in float32 at HIGHEST
+precision from the same (rounded) inputs. Tolerances, relative to the largest entry: 3e-2 for out
+and the gradients (P and dS are rounded to bfloat16 for the tensor-core products, as in every
+flash kernel), 1e-4 for lse and max (float32 statistics; exp2/log2 of the hardware's approximate
+units).
+
+Off a GPU, `test_split_matches_the_score_program` still runs: the split of a score program
+between XLA and the kernel (`_hopper_mods.split`, `side_inputs`, `tile_fn`), evaluated in plain
+JAX, against the score programs' NumPy interpreter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnaux as ax
+from attnaux import _flash_hopper as fh
+from attnaux import _flex
+from attnaux import _hopper_mods as hm
+from attnaux._score_program import Untranslatable, evaluate, pack_consts, translate
+
+ON_HOPPER = (jax.default_backend() == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."))
+
+
+def _close(got, want, rel, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=f"{what}: finiteness")
+    scale = max(1e-6, np.abs(want[finite]).max(initial=0.0))
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=rel * scale, err_msg=what)
+
+
+# ---- the kernels themselves, over the masking geometry
+def _reference(q, k, v, rows, cols, scale, softcap, geo, tile):
+    b, sq, hq, _ = q.shape
+    g = hq // k.shape[2]
+    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+    kf, vf = jnp.repeat(kf, g, axis=2), jnp.repeat(vf, g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    qp = jnp.arange(sq)[:, None] + jnp.zeros((1, k.shape[1]), jnp.int32)
+    kp = jnp.arange(k.shape[1])[None, :] + jnp.zeros((sq, 1), jnp.int32)
+    vis = fh._geometry_visible(geo, qp, kp)[None, None]
+    if tile is not None:
+        s, extra = tile.fn(s, qp[None, None], kp[None, None], jnp.arange(b)[:, None, None, None],
+                           jnp.arange(hq)[None, :, None, None],
+                           tuple(rows[:, :, i, :, None] for i in range(rows.shape[2])),
+                           tuple(cols[:, :, i, None, :] for i in range(cols.shape[2])))
+        vis = vis & extra
+    s = jnp.where(vis, s, -jnp.inf)
+    m = s.max(-1)
+    ms = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - ms[..., None])
+    denom = p.sum(-1)
+    seen = denom > 0
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(seen, denom, 1.0)[..., None], vf,
+                     precision="highest")
+    lse = jnp.where(seen, ms + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+    return out, lse, jnp.where(seen, m, -jnp.inf)
+
+
+def _tile(s, q_pos, kv_pos, b, h, rows, cols):
+    s = s + rows[0] - cols[0] + 0.01 * h.astype(jnp.float32)
+    return s, jax.lax.rem(q_pos + kv_pos, jnp.full_like(q_pos, 3)) != 0
+
+
+TILE = fh.TileFn(_tile, 1, 1, True, "test_hopper._tile")
+GEOMETRY_CASES = [  # (head dim, kv heads, causal, window, offset, softcap, tile function)
+    (64, 2, False, None, 0, None, None),
+    (64, 2, True, None, 0, None, None),
+    (128, 2, True, None, 128, None, None),  # bottom-right alignment
+    (128, 2, False, (70, 30), 0, None, None),
+    (128, 1, True, None, 0, 30.0, None),
+    (64, 4, False, None, 0, None, TILE),
+    (128, 2, True, (100, 0), 0, 20.0, TILE),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GEOMETRY_CASES, ids=lambda c: "-".join(map(str, c[:6])))
+def test_kernels_against_float32_reference(case):
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    dim, hkv, causal, window, offset, softcap, tile = case
+    b, sq, skv, hq = 2, 384, 512, 4
+    geo = fh.Geometry(causal, window, offset, skv - 37, sq)  # 37 padding keys
+    keys = [jax.random.fold_in(jax.random.key(1), i) for i in range(7)]
+    q = jax.random.normal(keys[0], (b, sq, hq, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, skv, hkv, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, skv, hkv, dim), jnp.bfloat16)
+    rows = jax.random.normal(keys[3], (b, hq, 1, sq), jnp.float32)
+    cols = jax.random.normal(keys[4], (b, hq, 1, skv), jnp.float32)
+    dout = jax.random.normal(keys[5], (b, sq, hq, dim), jnp.bfloat16)
+    dlse = jax.random.normal(keys[6], (b, hq, sq), jnp.float32)
+    scale, cfg = dim ** -0.5, fh.default_config(dim)
+    out, lse, mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap, geometry=geo,
+                              tile_fn=tile, config=cfg)
+    r_out, r_lse, r_mx = _reference(q, k, v, rows, cols, scale, softcap, geo, tile)
+    _close(out, r_out, 3e-2, "out")
+    _close(lse, r_lse, 1e-4, "lse")
+    _close(mx, r_mx, 1e-4, "max")
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+    grads = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
+                        geometry=geo, tile_fn=tile, config=cfg)
+
+    def ref(q, k, v, rows, cols):
+        o, lse_, _ = _reference(q, k, v, rows, cols, scale, softcap, geo, tile)
+        return o, jnp.where(jnp.isfinite(lse_), lse_, 0.0)
+
+    _, pull = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)), rows, cols)
+    r_grads = pull((dout.astype(jnp.float32), dlse))
+    for name, g, r in zip(("dq", "dk", "dv", "drows", "dcols"), grads, r_grads, strict=True):
+        if tile is not None or name in ("dq", "dk", "dv"):
+            _close(g.astype(jnp.float32), r, 3e-2, name)
+
+
+# ---- score_mod / mask_mod through attnaux.attention
+B, S, HQ, HK, D = 2, 320, 4, 2, 64  # 320: a ragged last 128-row block
+SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+DOCS = jnp.asarray(np.repeat(np.arange(5), S // 5), jnp.int32)
+MOD_CASES = {
+    "alibi_causal": lambda p: dict(
+        causal=True, score_mod=lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)),
+    "tanh_gate_window_gqa": lambda p: dict(
+        score_mod=lambda s, b, h, i, j: 4.0 * jnp.tanh(s / 4.0) * p["gate"][h],
+        mask_mod=lambda b, h, i, j: (i - j < 70) & (j - i < 30)),
+    "document_mask_softcap": lambda p: dict(
+        softcap=8.0, mask_mod=lambda b, h, i, j: DOCS[i] == DOCS[j]),
+    "prefix_lm_sliding_window_sink": lambda p: dict(
+        mask_mod=lambda b, h, i, j: (j < 16) | ((j <= i) & (i - j < 64)),
+        score_mod=lambda s, b, h, i, j: s + p["bias_q"][i] - p["bias_k"][j]),
+    "integer_ops_bottom_right": lambda p: dict(
+        causal="bottom_right",
+        score_mod=lambda s, b, h, i, j: s + ((i * 7 + j) % 5) * 0.1 - (i // 3) * 0.01,
+        mask_mod=lambda b, h, i, j: (h != 1) | (j % 3 != 0)),
+}
+
+
+def _params():
+    keys = jax.random.split(jax.random.key(5), 3)
+    return {"slopes": SLOPES, "gate": jnp.asarray([1.0, 0.5, 2.0, 1.5]),
+            "bias_q": 0.3 * jax.random.normal(keys[0], (S,)),
+            "bias_k": 0.3 * jax.random.normal(keys[1], (S,))}
+
+
+def _mods_run(make, backend, q, k, v, w, u, params):
+    def loss(q, k, v, params):
+        out, aux = ax.attention(q, k, v, backend=backend, **make(params))
+        lse = jnp.where(jnp.isfinite(aux.lse), aux.lse, 0.0)
+        return (jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(lse * u),
+                (out, aux.lse, aux.max, aux.backend))
+
+    (_, (out, lse, mx, backend_used)), grads = jax.value_and_grad(
+        loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
+    return (out, lse, mx), grads, backend_used
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MOD_CASES))
+def test_score_mod_on_hopper_matches_the_reference(name):
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B, S, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, S, HK, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, S, HK, D), jnp.bfloat16)
+    w = jax.random.normal(keys[3], (B, S, HQ, D))
+    u = jax.random.normal(keys[4], (B, HQ, S))
+    params = _params()
+    make = MOD_CASES[name]
+    explained = ax.explain(q, k, v, **make(params))
+    assert "Hopper" in str(explained), explained
+    (out, lse, mx), grads, used = _mods_run(make, "auto", q, k, v, w, u, params)
+    assert used == "flash"
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (r_out, r_lse, r_mx), r_grads, _ = _mods_run(make, "reference", *f32, w, u, params)
+    _close(out.astype(jnp.float32), r_out, 3e-2, "out")
+    _close(lse, r_lse, 1e-4, "lse")
+    _close(mx, r_mx, 1e-4, "max")
+    for n, g, r in zip(("dq", "dk", "dv"), grads[:3], r_grads[:3], strict=True):
+        _close(g.astype(jnp.float32), r, 3e-2, n)
+    for n in params:
+        _close(grads[3][n], r_grads[3][n], 3e-2, f"d{n} (captured)")
+
+
+@pytest.mark.parametrize("name", sorted(MOD_CASES))
+def test_split_matches_the_score_program(name):
+    """The split (XLA side inputs + the kernel's tile function, here in plain JAX) computes
+    what the program's NumPy interpreter computes, at every (batch, head, query, key)."""
+    mods, consts = _flex.convert(MOD_CASES[name](_params()).get("score_mod"),
+                                 MOD_CASES[name](_params()).get("mask_mod"))
+    program, extras = translate(mods.score_scalar, mods.n_score, mods.mask_scalar, mods.n_mask,
+                                consts)
+    sp = hm.split(program)
+    rows, cols = hm.side_inputs(sp, (*consts, *extras), B, HQ, S, S)
+    tf = hm.tile_fn(sp)
+    s = jax.random.normal(jax.random.key(0), (B, HQ, S, S), jnp.float32)
+    b = jnp.arange(B)[:, None, None, None]
+    h = jnp.arange(HQ)[None, :, None, None]
+    i = jnp.arange(S)[None, None, :, None]
+    j = jnp.arange(S)[None, None, None, :]
+    got_s, got_m = tf.fn(s, i, j, b, h, tuple(rows[:, :, r, :, None] for r in range(tf.n_rows)),
+                         tuple(cols[:, :, c, None, :] for c in range(tf.n_cols)))
+    want_s, want_m = evaluate(program, np.asarray(pack_consts(program, consts, extras)),
+                              np.asarray(s), np.asarray(b), np.asarray(h), np.asarray(i),
+                              np.asarray(j))
+    if want_s is not None:
+        np.testing.assert_allclose(np.asarray(got_s), want_s, rtol=0, atol=1e-5)
+    if want_m is not None:
+        np.testing.assert_array_equal(np.broadcast_to(np.asarray(got_m), want_m.shape), want_m)
+
+
+def test_a_table_read_per_pair_is_left_to_flex():
+    rel = jnp.linspace(-1.0, 1.0, 2 * S)
+    mods, consts = _flex.convert(lambda s, b, h, i, j: s + rel[i - j + S], None)
+    program, _ = translate(mods.score_scalar, mods.n_score, mods.mask_scalar, mods.n_mask,
+                           consts)
+    with pytest.raises(Untranslatable, match="indexed by both q_idx and kv_idx"):
+        hm.split(program)
+
+
+def test_block_tables_of_a_causal_mask():
+    """mask_mod's 64 x 64 table of a causal mask gives every block row the diagonal range."""
+    n = 4
+    tiles = np.tril(np.full((n, n), 2, np.int32), -1) + np.eye(n, dtype=np.int32)
+    fwd, dq, dkv = hm.range_tables(tiles[None, None], n, n, 128, 1)
+    np.testing.assert_array_equal(dq[0, 0], [[0, 1, 0, 0], [0, 2, 0, 1], [0, 3, 0, 2],
+                                             [0, 4, 0, 3]])
+    np.testing.assert_array_equal(dkv[0, 0], [[0, 4, 1, 4], [1, 4, 2, 4], [2, 4, 3, 4],
+                                              [3, 4, 3, 3]])
+    np.testing.assert_array_equal(fwd[0, 0], [[0, 1, 0, 0], [0, 1, 0, 0], [0, 2, 0, 1],
+                                              [0, 2, 0, 1]])
