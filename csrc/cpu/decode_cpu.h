@@ -39,8 +39,9 @@ inline constexpr int64_t kDecodeMaxQ = 16;     // query rows per head served her
 inline constexpr int64_t kDecodeMaxRows = 64;  // GQA group x q_seq
 inline constexpr int64_t kDecodeChunk = 2048;  // keys per task (fixed: thread-independent)
 inline constexpr int64_t kDecodeTile = 64;     // keys converted and scored at a time
-inline constexpr int64_t kDecodeGemmRows = 8;
-inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V  // rows per kv head from which S is a GEMM
+inline constexpr int64_t kDecodeGemmRows = 8;  // rows per kv head from which S is a GEMM
+inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V
+inline constexpr int64_t kPrefetchStride = 4096;  // bytes between DotTileHeads' prefetches
 
 inline bool DecodeApplies(const AttentionParams& p) {
   return p.q_len >= 1 && p.q_len <= kDecodeMaxQ && p.group() * p.q_len <= kDecodeMaxRows &&
@@ -79,7 +80,9 @@ inline float Dot(const float* a, const float* b, int64_t n_padded) {
 // Asks for the `bytes` at `p` ahead of their use (the stream of K or V rows).
 inline void Prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 3);
+  // into L2 (T1): a prefetch to L1 holds one of its few fill buffers for a whole trip to memory,
+  // which capped a core's stream of K and V at ~2/3 of what a plain read of the rows reaches
+  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 2);
 }
 
 // Whether all values of a padded row are finite (x * 0 is 0 unless x is NaN or inf), a vector
@@ -332,6 +335,115 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
   }
 }
 
+// DotTile for float32 rows of NV whole vectors read in place: head by head, the query row and
+// then the output row held in registers over the tile's keys (DotTile loads and stores a key's
+// output row for every key). A head's rows are H * D apart; the whole next tile's K (then V) is
+// asked into L2 in memory order meanwhile, so these reads come from L2. The arithmetic is
+// DotTile's (Dot's two accumulators and shuffle sum, Axpy in key order): the same bits.
+template <int NV>
+inline void DotTileHeads(const AttentionParams& p,
+                         const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
+                         int64_t j0, int64_t nk, int64_t c1, float* states, std::vector<float>& s) {
+  using namespace decode_detail;
+  const int64_t n = p.group() * p.q_len, hk = p.kv_heads;
+  constexpr int64_t kD = NV * kLanes;
+  const int64_t per_head = n * (kD + 2);
+  const float* kbase = static_cast<const float*>(p.k) + (b * p.kv_len + j0) * hk * kD;
+  const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * kD;
+  // the next tile (within this task's keys): one line per 4 KiB page into L2, spread over this
+  // tile's rows; L2's streamer fetches the rest of each page. (Every line asked for by software
+  // held the core to ~12 GB/s, each prefetch waiting for a fill buffer; this gets ~15, as much
+  // as a plain sequential read.)
+  const int64_t next = std::max<int64_t>(std::min(c1 - (j0 + nk), kDecodeTile), 0);
+  const int64_t next_lines = next * hk * kD * 4 / kPrefetchStride;
+  const int64_t per_step = CeilDiv(next_lines, std::max<int64_t>(hk * nk, 1));
+  const char* knext = reinterpret_cast<const char*>(kbase + nk * hk * kD);
+  const char* vnext = reinterpret_cast<const char*>(vbase + nk * hk * kD);
+  std::fill(s.begin(), s.end(), -kInf);
+  int64_t line = 0;
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    const DecodeRows& rows = heads[hkv];
+    for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t e = 0; e < per_step && line < next_lines; ++e, ++line) {
+        __builtin_prefetch(knext + line * kPrefetchStride, 0, 2);
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      VecF q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = Load(rows.q.data() + r * kD + v * kLanes);
+      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
+      const int64_t a = std::max<int64_t>(rows.lo[r] - j0, 0);
+      const int64_t e = std::min<int64_t>(rows.hi[r] - j0, nk);
+      for (int64_t j = a; j < e; ++j) {
+        const float* k = kbase + (j * hk + hkv) * kD;
+        VecF acc0 = VecF{}, acc1 = VecF{};
+        for (int v = 0; v + 1 < NV; v += 2) {
+          acc0 += q[v] * Load(k + v * kLanes);
+          acc1 += q[v + 1] * Load(k + (v + 1) * kLanes);
+        }
+        if (NV % 2 != 0) acc0 += q[NV - 1] * Load(k + (NV - 1) * kLanes);
+        float x = HorizontalSum(acc0 + acc1) * p.scale;
+        if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+        sr[j] = x;
+      }
+    }
+  }
+  // the online softmax per row, as in DotTile
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    float* m = states + hkv * per_head;
+    float* l = m + n;
+    float* o = l + n;
+    for (int64_t r = 0; r < n; ++r) {
+      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
+      float tile_max = -kInf;  // (NaN-propagating)
+      for (int64_t j = 0; j < nk; ++j) tile_max = sr[j] > tile_max || sr[j] != sr[j] ? sr[j] : tile_max;
+      if (tile_max == -kInf) {
+        std::fill(sr, sr + kDecodeTile, 0.0f);
+        continue;
+      }
+      const float m_new = std::max(m[r], tile_max);
+      const float alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
+      if (alpha != 1.0f) {
+        for (int64_t x = 0; x < kD; ++x) o[r * kD + x] *= alpha;
+      }
+      const VecF mv = Splat(m_new);
+      VecF sum = VecF{};
+      for (int64_t j = 0; j < kDecodeTile; j += kLanes) {
+        const VecF pr = Exp(Load(sr + j) - mv);  // Exp(-inf) is exactly 0
+        sum += pr;
+        Store(sr + j, pr);
+      }
+      float total = 0.0f;
+      for (int lane = 0; lane < kLanes; ++lane) total += sum[lane];
+      l[r] = l[r] * alpha + total;
+      m[r] = m_new;
+    }
+  }
+  // P V, head by head with the output row in registers; a key's P of 0 is skipped
+  line = 0;
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t e = 0; e < per_step && line < next_lines; ++e, ++line) {
+        __builtin_prefetch(vnext + line * kPrefetchStride, 0, 2);
+      }
+    }
+    float* o = states + hkv * per_head + 2 * n;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* sr = s.data() + (hkv * n + r) * kDecodeTile;
+      VecF acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = Load(o + r * kD + v * kLanes);
+      for (int64_t j = 0; j < nk; ++j) {
+        const float pr = sr[j];
+        if (pr == 0.0f) continue;
+        const VecF pv = Splat(pr);
+        const float* vr = vbase + (j * hk + hkv) * kD;
+        for (int v = 0; v < NV; ++v) acc[v] = acc[v] + pv * Load(vr + v * kLanes);
+      }
+      for (int v = 0; v < NV; ++v) Store(o + r * kD + v * kLanes, acc[v]);
+    }
+  }
+}
+
 // Forward: out, lse, max. One task per (batch row, chunk of keys) for every kv head. With few
 // rows per kv head, a score is one dot product over the head dim, read straight from K (float32)
 // or from the tile's converted rows; with kDecodeGemmRows or more, the rows sit in the vector
@@ -391,7 +503,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
       const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
       if (!gemm) {
-        DotTile(p, heads, b, j0, nk, direct, state_of_chunk(b, chunk), kstage, vstage, s);
+        if (direct && dp == dvp && dp == 8 * kLanes) {
+          DotTileHeads<8>(p, heads, b, j0, nk, c1, state_of_chunk(b, chunk), s);
+        } else if (direct && dp == dvp && dp == 4 * kLanes) {
+          DotTileHeads<4>(p, heads, b, j0, nk, c1, state_of_chunk(b, chunk), s);
+        } else {
+          DotTile(p, heads, b, j0, nk, direct, state_of_chunk(b, chunk), kstage, vstage, s);
+        }
         continue;
       }
       // the tile's K and V rows of every kv head, read in memory order (a key's heads are
