@@ -76,14 +76,19 @@ def main():
                 row.append(nan)
                 continue
 
-            def fwd(q, k, v, opts=opts):
-                return ax.attention(q, k, v, **opts)[0]
+            # arrays travel as arguments: closed over, a [H, S, S] bias would be folded into
+            # the compiled program as a constant
+            arrays = {n_: x for n_, x in opts.items() if isinstance(x, jax.Array)}
+            rest = {n_: x for n_, x in opts.items() if n_ not in arrays}
 
-            def fb(q, k, v, fwd=fwd):
-                return jax.vjp(fwd, q, k, v)[1](w)
+            def fwd(q, k, v, arrays, rest=rest):
+                return ax.attention(q, k, v, **rest, **arrays)[0]
 
-            row.append((best(jax.jit(fwd), (q, k, v), args.repeats),
-                        best(jax.jit(fb), (q, k, v), args.repeats)))
+            def fb(q, k, v, arrays, fwd=fwd):
+                return jax.vjp(lambda q, k, v: fwd(q, k, v, arrays), q, k, v)[1](w)
+
+            row.append((best(jax.jit(fwd), (q, k, v, arrays), args.repeats),
+                        best(jax.jit(fb), (q, k, v, arrays), args.repeats)))
         chosen = ax.explain(q, k, v, **mods).backend
         (af, ab), (xf, xb), (bf, bb), (rf, rb) = row
         print(f"| {name} | {af * 1e3:.3f} / {ab * 1e3:.3f} ({chosen}) | {xf * 1e3:.3f} / "
