@@ -289,6 +289,31 @@ def pytest_runtest_setup(item):
         pytest.skip(f"needs a GPU; JAX's default backend is {jax.default_backend()!r}")
 
 
+# Tests whose work runs in a background subprocess (tests/test_spmd.py: the 8-device suite) carry
+# a `start_early` function: it is called once collection has selected them, so that subprocess
+# runs beside the rest of the session (whose tests use about one core), and the test itself only
+# waits for its result. Not under --collect-only / --setup-plan / --setup-only, nor in an xdist
+# worker (each worker would start its own). Whatever still runs when the session ends is killed.
+_STARTED_EARLY = []
+
+
+def pytest_collection_finish(session):
+    opt = session.config.option
+    if (getattr(opt, "collectonly", False) or getattr(opt, "setupplan", False)
+            or getattr(opt, "setuponly", False) or hasattr(session.config, "workerinput")):
+        return
+    for item in session.items:
+        start = getattr(getattr(item, "function", None), "start_early", None)
+        if start is not None:
+            start()
+            _STARTED_EARLY.append(item.module)
+
+
+def pytest_sessionfinish(session):
+    for module in _STARTED_EARLY:
+        module.stop_all()
+
+
 # The multi-device tests in tests/spmd need 8 devices, which JAX gets only when
 # XLA_FLAGS=--xla_force_host_platform_device_count=8 is set before it starts: tests/test_spmd.py
 # runs them in a subprocess, so this session does not collect them itself.

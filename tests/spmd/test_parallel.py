@@ -73,15 +73,25 @@ def reference(q, k, v, arrays, **options):
     return out, aux.lse, aux.max
 
 
-def loss_of(fn, arrays):
+def loss_of(fn, arrays, with_values=False):
+    """A scalar loss of `fn`'s out and lse; `with_values=True` also returns `(out, lse, max)`
+    as `has_aux` values, so one compiled program checks the forward values and the gradients."""
     def loss(q, k, v, *params):
         named = dict(arrays)
         if params:
             named["sink"] = params[0]
-        out, lse, _ = fn(q, k, v, named)
+        out, lse, row_max = fn(q, k, v, named)
         w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
-        return jnp.sum(out * w) + 0.3 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        value = jnp.sum(out * w) + 0.3 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return (value, (out, lse, row_max)) if with_values else value
     return loss
+
+
+def grads_and_values(fn, arrays, argnums=(0, 1, 2)):
+    """`(grads, (out, lse, max))` of `loss_of(fn, arrays)`: the forward values come out of the
+    gradient's program (the forward runs inside it), so a case compiles one program, not two.
+    The forward-only path (no VJP) is checked by the dropout, shard_map and loop tests."""
+    return jax.grad(loss_of(fn, arrays, with_values=True), argnums=argnums, has_aux=True)
 
 
 # Every strategy x layout x mask on 2 devices; on 4 and 8, the combinations that differ in how
@@ -91,23 +101,26 @@ CASES = [(2, s, lay, c) for s in ("ring", "allgather") for lay in ("contiguous",
 CASES += [(n, s, lay, c) for n in (4, 8) for s, lay, c in
           (("ring", "zigzag", True), ("allgather", "contiguous", True),
            ("ring", "contiguous", False))]
-
-
+# The plain ring-zigzag causal call on 4 devices is part of every causal ring-zigzag case of
+# `test_options_at_global_positions` and of the ring dropout test (4 devices, causal, zigzag, with
+# options on top): in the slow sweep only. 2 and 8 devices keep their plain case here.
+_COVERED_CASES = ((4, "ring", "zigzag", True),)
 CASE_IDS = [f"{n}-{s}-{lay}-{'causal' if c else 'full'}" for n, s, lay, c in CASES]
+_CASE_PARAMS = [pytest.param(*case, id=case_id,
+                             marks=[pytest.mark.slow] if case in _COVERED_CASES else [])
+                for case, case_id in zip(CASES, CASE_IDS)]
 
 
-@pytest.mark.parametrize(("n", "strategy", "layout", "causal"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("n", "strategy", "layout", "causal"), _CASE_PARAMS)
 def test_exact_against_the_unsharded_call(n, strategy, layout, causal):
     q, k, v = inputs()
     fn, arrays = run_cp(n, strategy, layout, q, k, v, causal=causal)
-    out, lse, row_max = fn(q, k, v, arrays)
-    want = reference(q, k, v, arrays, causal=causal)
-    for got, expected, name in zip((out, lse, row_max), want, ("out", "lse", "max")):
+    grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
+    want_grads, want = grads_and_values(
+        lambda q, k, v, a: reference(q, k, v, a, causal=causal), arrays)(q, k, v)
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
         close(got, expected, OUT_TOL, name)
-    got = jax.jit(jax.grad(loss_of(fn, arrays), argnums=(0, 1, 2)))(q, k, v)
-    expected = jax.grad(loss_of(lambda q, k, v, a: reference(q, k, v, a, causal=causal), arrays),
-                        argnums=(0, 1, 2))(q, k, v)
-    for g, w, name in zip(got, expected, "qkv"):
+    for g, w, name in zip(grads, want_grads, "qkv"):
         close(g, w, GRAD_TOL, f"d{name}")
 
 
@@ -131,16 +144,33 @@ OPTION_CASES = {
     "sink_softcap_scale": lambda rng: dict(arrays=dict(sink=jnp.asarray(rng.standard_normal(H),
                                                                         jnp.float32)),
                                            softcap=3.0, scale=0.5),
+    # The two cases above in one call: what the ring runs in the default run.
+    "window_two_sided_no_causal_sink_softcap_scale": lambda rng: dict(
+        arrays=dict(sink=jnp.asarray(rng.standard_normal(H), jnp.float32)),
+        window=(5, 12), causal=False, softcap=3.0, scale=0.5),
 }
 
 
-# Ring cases that another ring case covers (window, lengths and bottom-right each appear in a
-# combined case): in the slow sweep only (`tests/test_spmd.py::test_spmd_slow_sweep...`).
-_COVERED_RING_CASES = ("window", "seqlens", "bottom_right")
+# The ring (each case a large program to compile: a switch over block kinds per chunk pair, per
+# hop) runs the combined cases in the default run; the single cases they combine are in the slow
+# sweep only (`tests/test_spmd.py::test_spmd_slow_sweep...`): window, lengths and bottom-right
+# in bottom_right_lengths_window / window_segments_seqlens; segments in window_segments_seqlens
+# (the same q = kv segment ids); the two-sided window without causal, sink, softcap and scale in
+# window_two_sided_no_causal_sink_softcap_scale. allgather (cheap to compile) runs every single
+# case in the default run, and their combination only in the slow sweep.
+_RING_DEFAULT = ("bottom_right_lengths_window", "window_segments_seqlens",
+                 "window_two_sided_no_causal_sink_softcap_scale")
+_COMBINED = ("window_two_sided_no_causal_sink_softcap_scale",)
+
+
+def _option_marks(strategy, case):
+    slow = case not in _RING_DEFAULT if strategy == "ring" else case in _COMBINED
+    return [pytest.mark.slow] if slow else []
+
+
 _OPTION_PARAMS = [
     pytest.param(case, strategy, layout, id=f"{strategy}-{layout}-{case}",
-                 marks=[pytest.mark.slow] if strategy == "ring" and case in _COVERED_RING_CASES
-                 else [])
+                 marks=_option_marks(strategy, case))
     for strategy, layout in (("ring", "zigzag"), ("allgather", "contiguous"))
     for case in OPTION_CASES
 ]
@@ -156,16 +186,14 @@ def test_options_at_global_positions(case, strategy, layout):
     spec.setdefault("causal", True)
     q, k, v = inputs(2)
     fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, **spec)
-    got = fn(q, k, v, arrays)
-    want = reference(q, k, v, arrays, **spec)
-    for g, w, name in zip(got, want, ("out", "lse", "max")):
-        close(g, w, OUT_TOL, name)
     params = (arrays.pop("sink"),) if "sink" in arrays else ()
     argnums = tuple(range(3 + len(params)))
-    got = jax.jit(jax.grad(loss_of(fn, arrays), argnums=argnums))(q, k, v, *params)
-    expected = jax.grad(loss_of(lambda q, k, v, a: reference(q, k, v, a, **spec),
-                                arrays), argnums=argnums)(q, k, v, *params)
-    for g, w, name in zip(got, expected, ("q", "k", "v", "sink")):
+    grads, values = jax.jit(grads_and_values(fn, arrays, argnums))(q, k, v, *params)
+    want_grads, want = grads_and_values(lambda q, k, v, a: reference(q, k, v, a, **spec),
+                                        arrays, argnums)(q, k, v, *params)
+    for g, w, name in zip(values, want, ("out", "lse", "max")):
+        close(g, w, OUT_TOL, name)
+    for g, w, name in zip(grads, want_grads, ("q", "k", "v", "sink")):
         close(g, w, GRAD_TOL, f"d{name}")
 
 
@@ -262,14 +290,16 @@ def test_zigzag_round_trip_and_balance():
 @pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.slow), "zigzag"])
 def test_decoder_with_context_parallelism(layout):
     """`attnaux.nn.Decoder` with `context=...` inside `shard_map` over the sequence: the loss
-    and every parameter gradient equal the decoder's on the whole sequence (one device)."""
+    and every parameter gradient equal the decoder's on the whole sequence (one device).
+    One block: each block is one more ring program to compile (a Python loop over blocks), and
+    a second block would run the same context-parallel call on the first one's output."""
     import equinox as eqx
 
     from attnaux.nn import Decoder
 
     n, seq = 4, 64
     mesh = mesh_of(n)
-    model = Decoder(vocab=32, max_len=seq, dim=16, depth=2, num_heads=4, kv_heads=2,
+    model = Decoder(vocab=32, max_len=seq, dim=16, depth=1, num_heads=4, kv_heads=2,
                     key=jax.random.key(3))
     tokens = jax.random.randint(jax.random.key(4), (2, seq), 0, 32)
     params, static = eqx.partition(model, eqx.is_inexact_array)
