@@ -75,34 +75,81 @@ inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
   return pack;
 }
 
-inline void PackKv(const AttentionParams& p, int64_t b, int64_t hkv, const KvPackLayout& layout,
-                   float* base) {
-  const int64_t d = p.head_dim, dv = p.v_dim;
-  const int64_t kl = RowRanges(p, b).kl;
-  float* kt = base;
-  float* v_rows = base + layout.kt_size();
-  float* k_rows = layout.backward ? v_rows + layout.v_size() : nullptr;
-  float* vt = layout.backward ? k_rows + layout.kt_size() : nullptr;
-  float* nonfinite = base + layout.size() - layout.num_blocks;
-  std::fill(nonfinite, nonfinite + layout.num_blocks, 0.0f);
-  std::vector<float> k_row(d), v_row(dv);
-  for (int64_t j = 0; j < layout.keys(); ++j) {
-    if (j < kl) {
-      LoadRow(p.elem, p.k, ((b * p.kv_len + j) * p.kv_heads + hkv) * d, d, k_row.data());
-      LoadRow(p.elem, p.v, ((b * p.kv_len + j) * p.kv_heads + hkv) * dv, dv, v_row.data());
-      if (!AllFinite(k_row.data(), d) || !AllFinite(v_row.data(), dv)) {
-        nonfinite[j / kBlockK] = 1.0f;
-      }
-    } else {
-      std::fill(k_row.begin(), k_row.end(), 0.0f);
-      std::fill(v_row.begin(), v_row.end(), 0.0f);
+// rows [kBlockK][width] (leading dimension ld) -> cols [width][kBlockK]: 16 x 16 blocks in
+// registers, then 16 columns at a time (both sides in L1) for what is left.
+inline void TransposeKeys(const float* rows, int64_t ld, int64_t width, float* cols) {
+  static_assert(kBlockK % 16 == 0, "whole 16 x 16 blocks of keys");
+  const int64_t width16 = kHasTranspose16 ? width / 16 * 16 : 0;
+  for (int64_t x0 = 0; x0 < width16; x0 += 16) {
+    for (int64_t jj = 0; jj < kBlockK; jj += 16) {
+      Transpose16(rows + jj * ld + x0, ld, cols + x0 * kBlockK + jj, kBlockK, false);
     }
-    const int64_t jb = j / kBlockK, jj = j % kBlockK;
-    for (int64_t x = 0; x < d; ++x) kt[(jb * d + x) * kBlockK + jj] = k_row[x];
-    std::copy(v_row.begin(), v_row.end(), v_rows + j * dv);
+  }
+  for (int64_t x0 = width16; x0 < width; x0 += 16) {
+    const int64_t x1 = std::min<int64_t>(x0 + 16, width);
+    for (int64_t jj = 0; jj < kBlockK; ++jj) {
+      for (int64_t x = x0; x < x1; ++x) cols[x * kBlockK + jj] = rows[jj * ld + x];
+    }
+  }
+}
+
+// cols [width][kBlockQ] -> rows [kBlockQ][width] (TransposeKeys' inverse).
+inline void TransposeLanes(const float* cols, int64_t width, float* rows) {
+  static_assert(kBlockQ % 16 == 0, "whole 16 x 16 blocks of lanes");
+  const int64_t width16 = kHasTranspose16 ? width / 16 * 16 : 0;
+  for (int64_t x0 = 0; x0 < width16; x0 += 16) {
+    for (int64_t lane = 0; lane < kBlockQ; lane += 16) {
+      Transpose16(cols + x0 * kBlockQ + lane, kBlockQ, rows + lane * width + x0, width, false);
+    }
+  }
+  for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+    for (int64_t x = width16; x < width; ++x) rows[lane * width + x] = cols[x * kBlockQ + lane];
+  }
+}
+
+// Key block jb of every kv head of batch row b: heads + hkv * layout.size() is head hkv's pack.
+// Key j's heads are contiguous in K and V ([b, s, h, d]), so the block is read in memory order
+// (one head's rows alone are H * D apart: every row a new page, too far apart for the
+// prefetchers), staged, then transposed head by head.
+inline void PackKvBlock(const AttentionParams& p, int64_t b, int64_t jb,
+                        const KvPackLayout& layout, float* heads, std::vector<float>& stage) {
+  const int64_t d = p.head_dim, dv = p.v_dim, hk = p.kv_heads;
+  const int64_t kl = RowRanges(p, b).kl;
+  const int64_t j0 = jb * kBlockK;
+  // stage: K rows [hk][kBlockK][d], then (backward) V rows [hk][kBlockK][dv]
+  stage.resize(hk * kBlockK * (d + (layout.backward ? dv : 0)));
+  float* kstage = stage.data();
+  float* vstage = layout.backward ? kstage + hk * kBlockK * d : nullptr;
+  auto pack_of = [&](int64_t hkv) { return heads + hkv * layout.size(); };
+  for (int64_t hkv = 0; hkv < hk; ++hkv) pack_of(hkv)[layout.size() - layout.num_blocks + jb] = 0.0f;
+  for (int64_t jj = 0; jj < kBlockK; ++jj) {
+    const int64_t j = j0 + jj;
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      float* base = pack_of(hkv);
+      float* k_row = kstage + (hkv * kBlockK + jj) * d;
+      float* v_row = base + layout.kt_size() + j * dv;  // v_rows, in place
+      if (j < kl) {
+        LoadRow(p.elem, p.k, ((b * p.kv_len + j) * hk + hkv) * d, d, k_row);
+        LoadRow(p.elem, p.v, ((b * p.kv_len + j) * hk + hkv) * dv, dv, v_row);
+        if (!AllFinite(k_row, d) || !AllFinite(v_row, dv)) {
+          base[layout.size() - layout.num_blocks + jb] = 1.0f;
+        }
+      } else {
+        std::fill(k_row, k_row + d, 0.0f);
+        std::fill(v_row, v_row + dv, 0.0f);
+      }
+      if (layout.backward) {
+        std::copy(k_row, k_row + d, base + layout.kt_size() + layout.v_size() + j * d);
+        std::copy(v_row, v_row + dv, vstage + (hkv * kBlockK + jj) * dv);
+      }
+    }
+  }
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    float* base = pack_of(hkv);
+    TransposeKeys(kstage + hkv * kBlockK * d, d, d, base + jb * d * kBlockK);
     if (layout.backward) {
-      std::copy(k_row.begin(), k_row.end(), k_rows + j * d);
-      for (int64_t x = 0; x < dv; ++x) vt[(jb * dv + x) * kBlockK + jj] = v_row[x];
+      float* vt = base + 2 * layout.kt_size() + layout.v_size();
+      TransposeKeys(vstage + hkv * kBlockK * dv, dv, dv, vt + jb * dv * kBlockK);
     }
   }
 }
@@ -169,12 +216,14 @@ inline void ForwardRowsBegin(const AttentionParams& p, const HeadView& hv, int64
   st.i0 = ib * kBlockQ;
   st.rows_in_block = std::min(kBlockQ, p.q_len - st.i0);
   st.valid = std::min(hv.rows.ValidRows(st.i0), st.rows_in_block);
-  std::fill(st.qt, st.qt + d * kBlockQ, 0.0f);
-  std::vector<float> row(d);
+  // the block's rows (zero beyond the valid ones), then Q^T = their transpose
+  std::vector<float> rows(kBlockQ * d, 0.0f);
   for (int64_t lane = 0; lane < st.valid; ++lane) {
-    LoadRow(p.elem, p.q, ((b * p.q_len + st.i0 + lane) * p.q_heads + h) * d, d, row.data());
-    for (int64_t x = 0; x < d; ++x) st.qt[x * kBlockQ + lane] = row[x];
+    LoadRow(p.elem, p.q, ((b * p.q_len + st.i0 + lane) * p.q_heads + h) * d, d,
+            rows.data() + lane * d);
   }
+  static_assert(kBlockQ == kBlockK, "TransposeKeys transposes kBlockK rows");
+  TransposeKeys(rows.data(), d, d, st.qt);
   std::fill(st.ot, st.ot + dv * kBlockQ, 0.0f);
   for (int v = 0; v < kQVectors; ++v) {
     st.m[v] = Splat(-kInf);
@@ -247,7 +296,9 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
     Store(m_row + v * kLanes, rs.m[v]);
     Store(l_row + v * kLanes, rs.l[v]);
   }
-  std::vector<float> out_row(dv);
+  // O's rows: the transpose of O^T ([Dv][BQ] -> [BQ][Dv])
+  std::vector<float> o_rows(kBlockQ * dv), out_row(dv);
+  TransposeLanes(rs.ot, dv, o_rows.data());
   for (int64_t lane = 0; lane < rs.rows_in_block; ++lane) {
     const int64_t i = rs.i0 + lane;
     float mx = -kInf, lse = -kInf, factor = 0.0f;
@@ -270,9 +321,8 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
     const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
     outputs.lse[stat] = lse;
     outputs.max[stat] = mx;
-    for (int64_t x = 0; x < dv; ++x) {
-      out_row[x] = factor == 0.0f ? 0.0f : rs.ot[x * kBlockQ + lane] * factor;
-    }
+    const float* o_row = o_rows.data() + lane * dv;
+    for (int64_t x = 0; x < dv; ++x) out_row[x] = factor == 0.0f ? 0.0f : o_row[x] * factor;
     StoreRow(p.elem, outputs.out, ((b * p.q_len + i) * p.q_heads + h) * dv, dv, out_row.data());
   }
 }
@@ -323,8 +373,10 @@ inline void FlashForward(const AttentionParams& params, const ForwardOutputs& ou
   const int64_t num_q_blocks = CeilDiv(p.q_len, kBlockQ);
   for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
     const int64_t nb = std::min(chunk, p.batch - b0);
-    ParallelFor(pool, nb * p.kv_heads, [&](int64_t t) {
-      PackKv(p, b0 + t / p.kv_heads, t % p.kv_heads, layout, packed.get() + t * layout.size());
+    ParallelFor(pool, nb * layout.num_blocks, [&](int64_t t) {
+      const int64_t bl = t / layout.num_blocks, jb = t % layout.num_blocks;
+      std::vector<float> stage;
+      PackKvBlock(p, b0 + bl, jb, layout, packed.get() + bl * p.kv_heads * layout.size(), stage);
     });
     // Query blocks per task: when a kv head's packed K and V outgrow half an L2 (2 MiB per core
     // here), several query blocks share each K/V tile's trip from memory (then the tile is in
@@ -600,12 +652,15 @@ inline void FlashBackward(const AttentionParams& params, const BackwardInputs& i
 
   for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
     const int64_t nb = std::min(chunk, p.batch - b0);
-    ParallelFor(pool, nb * (p.kv_heads + p.q_heads), [&](int64_t t) {
-      if (t < nb * p.kv_heads) {
-        PackKv(p, b0 + t / p.kv_heads, t % p.kv_heads, kv_layout,
-               kv_packed.get() + t * kv_layout.size());
+    const int64_t kv_tasks = nb * kv_layout.num_blocks;
+    ParallelFor(pool, kv_tasks + nb * p.q_heads, [&](int64_t t) {
+      if (t < kv_tasks) {
+        const int64_t bl = t / kv_layout.num_blocks, jb = t % kv_layout.num_blocks;
+        std::vector<float> stage;
+        PackKvBlock(p, b0 + bl, jb, kv_layout,
+                    kv_packed.get() + bl * p.kv_heads * kv_layout.size(), stage);
       } else {
-        t -= nb * p.kv_heads;
+        t -= kv_tasks;
         PackQ(p, in, b0 + t / p.q_heads, t % p.q_heads, q_layout,
               q_packed.get() + t * q_layout.size());
       }

@@ -139,12 +139,58 @@ inline void StoreRow(Elem elem, void* base, int64_t offset, int64_t n, const flo
   }
 }
 
+#if defined(__AVX512F__)
+inline constexpr bool kHasTranspose16 = true;
+// dst[c * ds + r] = src[r * ss + c] for r, c < 16, in registers (four rounds of shuffles); dst
+// rows stored non-temporally when `stream` (then dst must be 64-byte aligned, ds a multiple of 16).
+inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds, bool stream) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit group k: r_i[4k], r_i+1[4k], r_i[4k+1], ...
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + c], group k: rows 4g..4g+3 of column 4k + c
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 u = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 w = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 w2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    t[c] = _mm512_shuffle_f32x4(u, u2, _MM_SHUFFLE(2, 0, 2, 0));       // column c
+    t[8 + c] = _mm512_shuffle_f32x4(u, u2, _MM_SHUFFLE(3, 1, 3, 1));   // column 8 + c
+    t[4 + c] = _mm512_shuffle_f32x4(w, w2, _MM_SHUFFLE(2, 0, 2, 0));   // column 4 + c
+    t[12 + c] = _mm512_shuffle_f32x4(w, w2, _MM_SHUFFLE(3, 1, 3, 1));  // column 12 + c
+  }
+  if (stream) {
+    for (int i = 0; i < 16; ++i) _mm512_stream_ps(dst + i * ds, t[i]);
+  } else {
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ds, t[i]);
+  }
+}
+#else
+inline constexpr bool kHasTranspose16 = false;
+inline void Transpose16(const float*, int64_t, float*, int64_t, bool) {}
+#endif
+
 // Whether all n values are finite: x * 0 is 0 for finite x and NaN for NaN and inf (the kernels
 // are built without fast-math, so this is not folded away).
+// A vector of lanes at a time (one scalar chain of adds cost more than reading the rows).
 inline bool AllFinite(const float* x, int64_t n) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < n; ++i) acc += x[i] * 0.0f;
-  return acc == 0.0f;
+  VecF acc = VecF{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += Load(x + i) * 0.0f;
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += x[i] * 0.0f;
+  bool ok = tail == 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) ok &= acc[lane] == 0.0f;
+  return ok;
 }
 
 // Work space of one tile (kBlockK x kBlockQ each), and, sized on first use, `clean`: copies of

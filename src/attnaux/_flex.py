@@ -185,24 +185,37 @@ def _geometry_visible(options: Options, nq: int, nk: int, q_seq: int, kv_seq: in
     return keep
 
 
+def _reads_batch_and_head(mods: Mods, consts) -> tuple[bool, bool]:
+    """Whether mask_mod reads its batch and its head index (an index passed on to a nested call
+    counts as read)."""
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+    avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts[mods.n_score:]]
+    jaxpr = jax.make_jaxpr(mods.mask_scalar)(i, i, i, i, *avals).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+    used |= {id(v) for v in jaxpr.outvars}
+    return id(jaxpr.invars[0]) in used, id(jaxpr.invars[1]) in used
+
+
 def dense_mask(mods: Mods, consts, bsz: int, q_heads: int, q_seq: int,
                kv_seq: int) -> tuple[np.ndarray | None, str]:
-    """`(bool [B, Hq, Sq, Skv] or None, why not)`: mask_mod evaluated at every pair at trace
+    """`(bool [B|1, Hq|1, Sq, Skv] or None, why not)`: mask_mod evaluated at every pair at trace
     time, where that is possible (at most `BLOCK_MASK_MAX_EVALUATIONS` pairs, no traced
-    captures)."""
+    captures); once for every batch row (head) when it does not read the batch (head) index."""
     if mods.mask is None:
         return None, ""
-    if bsz * q_heads * q_seq * kv_seq > BLOCK_MASK_MAX_EVALUATIONS:
-        return None, (f"mask_mod not evaluated ({bsz * q_heads * q_seq * kv_seq} pairs > "
+    reads_b, reads_h = _reads_batch_and_head(mods, consts)
+    nb, nh = (bsz if reads_b else 1), (q_heads if reads_h else 1)
+    if nb * nh * q_seq * kv_seq > BLOCK_MASK_MAX_EVALUATIONS:
+        return None, (f"mask_mod not evaluated ({nb * nh * q_seq * kv_seq} pairs > "
                       f"BLOCK_MASK_MAX_EVALUATIONS)")
     try:
         with jax.ensure_compile_time_eval():
-            dense = np.asarray(_mask(mods, consts, jnp.arange(bsz), jnp.arange(q_heads),
+            dense = np.asarray(_mask(mods, consts, jnp.arange(nb), jnp.arange(nh),
                                      jnp.arange(q_seq), jnp.arange(kv_seq)))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
             jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError):
         return None, "mask_mod not evaluated (it captures traced arrays)"
-    return np.broadcast_to(dense, (bsz, q_heads, q_seq, kv_seq)), ""
+    return np.broadcast_to(dense, (nb, nh, q_seq, kv_seq)), ""
 
 
 def _tile_table(dense: np.ndarray, bq: int, bk: int) -> np.ndarray:
