@@ -238,8 +238,7 @@ def measure_cp(n, seq, q, k, v, args, layout="zigzag", parts=True) -> dict:
 
 def transfers_alone(n, inputs):
     """The ring's transfers without its kernels: the forward sends K and V n - 1 hops; the
-    backward sends K and V n - 1 hops and dK, dV (float32, as the ring carries them) n + 1
-    hops (the first carries zeros; the last brings them home)."""
+    backward sends K and V n - 1 hops and dK, dV (float32, as the ring carries them) n hops."""
     mesh = mesh_of(n, "sp")
     spec = P(None, "sp")
     perm = [(i, (i + 1) % n) for i in range(n)]
@@ -259,7 +258,7 @@ def transfers_alone(n, inputs):
             return hop(kv), hop(grads)
 
         kv, grads = jax.lax.fori_loop(0, n - 1, step, ((k, v), grads))
-        grads = hop(hop(grads))
+        grads = hop(grads)
         return kv[0][:, :1].astype(jnp.float32) + grads[0][:, :1]
 
     def sharded(fn):

@@ -378,33 +378,20 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
         dk, dv = (jax.lax.psum_scatter(g, cfg.axis_name, scatter_dimension=0, tiled=False)
                   for g in all_grads)
     else:
-        def hop(x):
-            return jax.tree.map(lambda a: jax.lax.ppermute(a, cfg.axis_name, perm), x)
-
-        def visit_block(dq_parts, kv_block, pending, src):
-            # dk and dv travel with their block, one step behind it: the sums of the block
-            # visited last step (`pending`) are sent at the start of this step and added after
-            # this step's kernels, which do not depend on them, so the transfer overlaps them
-            # (sent after the kernels, it would wait for them and the next step for it).
-            arrived = hop(pending)
-            dq_parts, own = visit(dq_parts, kv_block, zero_grads, src)
-            return dq_parts, tuple(a + b for a, b in zip(arrived, own))
-
-        zero_grads = grads
-
-        # Step 0's `pending` is zeros (no device has visited the block yet): one transfer of
-        # zeros keeps every step the same program (one loop body for any n).
         def step(s, carry):
-            dq_parts, kv_block, pending = carry
-            following = hop(kv_block)
-            dq_parts, pending = visit_block(dq_parts, kv_block, pending, (me - s) % n)
-            return dq_parts, following, pending
+            dq_parts, kv_block, grads = carry
+            src = (me - s) % n
+            following = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), kv_block)
+            dq_parts, grads = visit(dq_parts, kv_block, grads, src)
+            # dk and dv travel with their block, one hop behind it.
+            grads = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), grads)
+            return dq_parts, following, grads
 
         dq_parts, kv_block, grads = jax.lax.fori_loop(0, n - 1, step,
                                                       (dq_parts, kv_block, grads))
-        dq_parts, grads = visit_block(dq_parts, kv_block, grads, (me - (n - 1)) % n)
-        # the last hop brings every block's dk and dv home
-        dk, dv = hop(grads)
+        dq_parts, grads = visit(dq_parts, kv_block, grads, (me - (n - 1)) % n)
+        # the n-th hop brings every block's dk and dv home
+        dk, dv = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), grads)
     dq = dq_parts[0] if chunks == 1 else jnp.concatenate(dq_parts, axis=1)
     dsink = None
     if cfg.has_sink:
