@@ -7,9 +7,9 @@ host CPU devices, on real GPUs with the GPU kernels (cuDNN `flash`, attnaux's CU
   global origin) draws the unsharded call's keep-mask; cuDNN `flash`, whose generator cannot,
   raises (docs/sharding.md).
 - Context parallelism (`attnaux.parallel`) on 2, 4 (and 8) GPUs: ring and all-gather, contiguous
-  and zigzag, causal and not, GQA, segment ids, global lengths, softcap and sink: out, lse, max
-  and the gradients (through `aux.lse` too) equal `attnaux.attention(backend="flash")` of the
-  whole sequence on one GPU.
+  and zigzag, causal and not, GQA, segment ids, global lengths, windows, softcap and sink: out,
+  lse, max and the gradients (through `aux.lse` too) equal `attnaux.attention(backend="flash")`
+  of the whole sequence on one GPU; dropout and a bottom-right mask with lengths are refused.
 
 Skipped without 2 or more GPUs (CI has none). Tolerances: bfloat16 inputs for cuDNN; both sides
 round `out` and the gradients to bfloat16 (1 ulp = 7.8e-3 relative), and the ring merges block
@@ -264,10 +264,33 @@ def test_context_parallel_options_at_global_positions(strategy):
         close(g, w, BF16_TOL, f"d{name}")
 
 
-@pytest.mark.parametrize("options", [dict(window=(128, 0)), dict(dropout_rate=0.1)])
+@pytest.mark.parametrize(("strategy", "layout", "options"), [
+    ("ring", "zigzag", dict(causal=True, window=(100, 0))),
+    ("allgather", "contiguous", dict(causal=False, window=(300, 50))),
+])
+def test_context_parallel_windows(strategy, layout, options):
+    """Windows shorter and longer than a chunk (128 tokens with zigzag, 256 contiguous): static
+    cuDNN bands, and slices of a block where a band starts right of its diagonal."""
+    n = COUNTS[-1]
+    q, k, v = inputs(2, 256 * n, 8, 4, 64, seed=6)
+    cp = jax.grad(probe_loss(cp_attend(n, strategy, layout, **options)), argnums=(0, 1, 2),
+                  has_aux=True)
+    plain = jax.grad(probe_loss(lambda q, k, v: ax.attention(q, k, v, backend="flash",
+                                                             **options)),
+                     argnums=(0, 1, 2), has_aux=True)
+    grads, values = jax.jit(cp)(q, k, v)
+    want_grads, want = jax.jit(plain)(*one_gpu(q, k, v))
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
+        close(got, expected, BF16_TOL if name == "out" else STAT_TOL, name)
+    for g, w, name in zip(grads, want_grads, "qkv"):
+        close(g, w, BF16_TOL, f"d{name}")
+
+
+@pytest.mark.parametrize("options", [
+    dict(dropout_rate=0.1), dict(causal="bottom_right", kv_seqlens=jnp.asarray([400]))])
 def test_context_parallel_refuses_what_cudnn_cannot_place(options):
     q, k, v = inputs(1, 512, 4, 4, 64)
     if "dropout_rate" in options:
-        options = dict(options, key=jax.random.key(0))
+        options = dict(options, key=jax.random.key(0), causal=True)
     with pytest.raises(ValueError, match="context parallelism"):
-        jax.jit(cp_attend(2, "ring", "zigzag", causal=True, **options))(q, k, v)
+        jax.jit(cp_attend(2, "ring", "zigzag", **options))(q, k, v)

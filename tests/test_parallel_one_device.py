@@ -67,6 +67,41 @@ def test_zigzag_on_one_device(strategy, causal):
         assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
 
 
+@pytest.mark.parametrize("options", [dict(causal=True, window=(20, 0)),
+                                     dict(causal=False, window=(70, 10))],
+                         ids=["causal-window20", "window70-10"])
+def test_zigzag_windows_on_one_device(options):
+    """Windows on a one-device zigzag ring (chunks of 64: the blocks have shifts 0 and +-64):
+    on GPU each block is a static cuDNN band or a slice of the block (`_ring._band`)."""
+    mesh, tol, (q, k, v) = _setup("sp", seq=128, seed=2)
+
+    def cp(q, k, v):
+        def local(q, k, v):
+            out, aux = par.ring_attention(q, k, v, axis_name="sp", layout="zigzag", **options)
+            return out, aux.lse
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                             out_specs=(P(None, "sp"), P(None, None, "sp")))(
+            *(par.zigzag(x, 1, axis=1) for x in (q, k, v)))
+
+    def plain(q, k, v):
+        out, aux = ax.attention(q, k, v, backend="flash", **options)
+        return out, aux.lse
+
+    def loss(fn):
+        return lambda q, k, v: (jnp.sum(jnp.sin(fn(q, k, v)[0].astype(jnp.float32)))
+                                + 0.3 * jnp.sum(fn(q, k, v)[1]))
+
+    for got, want, name in zip(jax.jit(cp)(q, k, v), plain(q, k, v), ("out", "lse")):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol, err_msg=name)
+    grads = jax.jit(jax.grad(loss(cp), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    for g, w, name in zip(grads, want, "qkv"):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale = max(1.0, float(np.abs(w).max()))
+        assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_attention_inside_shard_map_on_one_device(check_vma):
     """`attnaux.attention` (the platform's flash backend: cuDNN on GPU) inside `jax.shard_map`,

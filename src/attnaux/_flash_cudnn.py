@@ -635,8 +635,9 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
 
 FOLLOWS_BLOCK_STATE = False
 """cuDNN's masks are static graph attributes: a block call cannot take the diagonal shift (or
-the dropout origin) of a 12-word block state, so context parallelism gives it only blocks whose
-causal rule is none or top-left at shift 0, and no window or dropout."""
+the dropout origin) of a 12-word block state, so context parallelism gives it static calls
+(`parallel._ring._band`: a block, or a slice of it, under a static causal / window band) and no
+dropout."""
 
 
 def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):

@@ -197,6 +197,43 @@ def test_options_at_global_positions(case, strategy, layout):
         close(g, w, GRAD_TOL, f"d{name}")
 
 
+# The static calls that serve a backend whose masks are graph attributes (cuDNN on GPU: each
+# block one call chosen by its diagonal shift, a window band or a slice of the block), run here
+# on the CPU kernels made to take them (`FOLLOWS_BLOCK_STATE = False`: the block state's shift
+# word is then 0, so the kernels apply only the call's static masks, as cuDNN does). S = 64 on
+# 4 devices: chunks of 16 (contiguous) or 8 (zigzag); windows shorter and longer than a chunk.
+STATIC_CASES = {
+    "ring-zigzag-causal-window3": ("ring", "zigzag", dict(causal=True, window=(3, 0)), {}),
+    "ring-zigzag-causal-window9-segments-seqlens": (
+        "ring", "zigzag", dict(causal=True, window=(9, 0)),
+        dict(q_segment_ids=np.repeat(np.arange(4), 16)[None].repeat(B, 0),
+             q_seqlens=[60, 33], kv_seqlens=[64, 40])),
+    "allgather-contiguous-two-sided-window": (
+        "allgather", "contiguous", dict(causal=False, window=(5, 20)), {}),
+    "ring-contiguous-full-softcap": ("ring", "contiguous", dict(causal=False, softcap=3.0), {}),
+}
+
+
+@pytest.mark.parametrize("case", STATIC_CASES, ids=list(STATIC_CASES))
+def test_static_mask_calls_equal_the_unsharded_call(case, monkeypatch):
+    from attnaux import _flash_cpu
+
+    monkeypatch.setattr(_flash_cpu, "FOLLOWS_BLOCK_STATE", False, raising=False)
+    strategy, layout, options, arrays = STATIC_CASES[case]
+    arrays = {name: jnp.asarray(x, jnp.int32) for name, x in arrays.items()}
+    if "q_segment_ids" in arrays:
+        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    q, k, v = inputs(6)
+    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, **options)
+    grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
+    want_grads, want = grads_and_values(
+        lambda q, k, v, a: reference(q, k, v, a, **options), arrays)(q, k, v)
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
+        close(got, expected, OUT_TOL, name)
+    for g, w, name in zip(grads, want_grads, "qkv"):
+        close(g, w, GRAD_TOL, f"d{name}")
+
+
 @pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
 def test_dropout_mask_is_the_unsharded_one(strategy, layout):
     q, k, v = inputs(3)

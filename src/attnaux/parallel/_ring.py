@@ -138,54 +138,161 @@ def _follows_shift(cfg: _Config) -> bool:
     return getattr(cfg.backend, "FOLLOWS_BLOCK_STATE", True)
 
 
-def _block_kind(cfg: _Config, shift, hidden):
-    """Which call a block needs: 0 none (skipped), 1 the kernel with the block state's shift
-    (any block), or, for a backend whose masks are static (cuDNN), 2 a full block and 3 a causal
-    block on the diagonal: chunks are equal and aligned, so under a causal mask without a window
-    a block is wholly below (shift > 0), on (shift 0) or above the diagonal."""
-    if _follows_shift(cfg):
-        return jnp.where(hidden, 0, 1)
-    if not cfg.causal:
-        return jnp.int32(2)
-    return jnp.where(shift > 0, 2, jnp.where(shift == 0, 3, 0))
+class _Band(NamedTuple):
+    """A block as one call with static masks (for a backend whose masks are graph attributes,
+    cuDNN): queries `[q_lo, q_hi)` and keys `[k_lo, k_hi)` of the block under `causal` and
+    `window` in that sub-block's own coordinates; the block's other pairs are hidden."""
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    causal: int
+    window: tuple[int, int]
 
 
-def _block_forward(cfg: _Config, kind, arrays: Canonical):
+def _band(cfg: _Config, shift: int, chunk: int) -> "_Band | None":
+    """The static call serving a `chunk` x `chunk` block with diagonal shift `shift` (None:
+    every pair hidden). Key j is visible from query i iff `lo <= j - i <= hi`, `lo = shift -
+    left` (window) and `hi = shift` (causal) or `shift + right` (window). A bound inside the
+    block that the static masks cannot place (a lower bound right of the diagonal, an upper
+    bound left of it) becomes a slice: for `lo > 0` only queries `[0, chunk - lo)` see keys,
+    and only keys `[lo, chunk)` are seen, and in those coordinates the bound is the diagonal."""
+    options = cfg.options
+    lo = shift - options.window_left if options.window_left >= 0 else None
+    highs = ([shift] if cfg.causal else []) + (
+        [shift + options.window_right] if options.window_right >= 0 else [])
+    hi = min(highs) if highs else None
+    span = chunk - 1
+    if ((lo is not None and lo > span) or (hi is not None and hi < -span)
+            or (lo is not None and hi is not None and lo > hi)):
+        return None
+    lo = None if lo is not None and lo <= -span else lo
+    hi = None if hi is not None and hi >= span else hi
+    q_lo = k_lo = 0
+    if lo is not None and lo > 0:  # the sub-block's pairs have j' - i' = j - i - lo
+        k_lo, hi, lo = lo, None if hi is None else hi - lo, 0
+    elif hi is not None and hi < 0:  # j' - i' = j - i - hi
+        q_lo, lo, hi = -hi, None if lo is None else lo - hi, 0
+    size = chunk - q_lo - k_lo
+    causal = 1 if hi == 0 else 0
+    window = (-1 if lo is None else -lo, -1 if hi is None or causal else hi)
+    return _Band(q_lo, q_lo + size, k_lo, k_lo + size, causal, window)
+
+
+def _static_plan(cfg: _Config, chunk: int, num_chunks: int):
+    """`(table, bands)`: the distinct static calls of every possible block (the shift of a
+    block is `m * chunk`, `|m| < num_chunks`), and for each `m + num_chunks - 1` the branch
+    that serves it (0: skipped, `i + 1`: `bands[i]`)."""
+    bands, table = [], []
+    for m in range(-(num_chunks - 1), num_chunks):
+        band = _band(cfg, m * chunk, chunk)
+        if band is not None and band not in bands:
+            bands.append(band)
+        table.append(0 if band is None else bands.index(band) + 1)
+    return jnp.asarray(table, jnp.int32), tuple(bands)
+
+
+def _sub_block(a: Canonical, band: _Band) -> Canonical:
+    """The block's arrays cut to `band`: lengths counted from the cut, the dropout origin moved
+    to it, the diagonal-shift word 0 (the masks are the call's static ones)."""
+    q_size, k_size = band.q_hi - band.q_lo, band.k_hi - band.k_lo
+
+    def rows(x, lo, hi):
+        return None if x is None else x[:, lo:hi]
+
+    state = a.rng_state.at[6].add(jnp.uint32(band.q_lo)).at[7].add(jnp.uint32(band.k_lo))
+    state = state.at[11].set(jnp.uint32(0))
+    return a._replace(
+        q=rows(a.q, band.q_lo, band.q_hi), k=rows(a.k, band.k_lo, band.k_hi),
+        v=rows(a.v, band.k_lo, band.k_hi),
+        q_segment_ids=rows(a.q_segment_ids, band.q_lo, band.q_hi),
+        kv_segment_ids=rows(a.kv_segment_ids, band.k_lo, band.k_hi),
+        q_seqlens=jnp.clip(a.q_seqlens - band.q_lo, 0, q_size).astype(jnp.int32),
+        kv_seqlens=jnp.clip(a.kv_seqlens - band.k_lo, 0, k_size).astype(jnp.int32),
+        rng_state=state)
+
+
+def _band_options(cfg: _Config, band: _Band) -> Options:
+    return cfg.options._replace(causal=band.causal, window_left=band.window[0],
+                                window_right=band.window[1])
+
+
+def _pad(x, axis: int, lo: int, hi: int, size: int, value):
+    """`x` (the rows `[lo, hi)` of `size` along `axis`) padded with `value` to all `size`."""
+    if lo == 0 and hi == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (lo, size - hi)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_forward(cfg: _Config, shift, chunk: int, num_chunks: int, arrays: Canonical):
+    """`(out, lse, max)` (float32) of one block: skipped when every pair is hidden; else one
+    kernel call, with the block state's shift (a backend that follows it) or a static band."""
     bsz, q_chunk, q_heads, _ = arrays.q.shape
     v_dim = arrays.v.shape[-1]
-
-    def compute(causal):
-        options = cfg.options._replace(causal=causal)
-
-        def run(a):
-            out, lse, row_max, _ = cfg.backend.run(a, options, False)
-            return out.astype(jnp.float32), lse, row_max
-        return run
 
     def skip(a):  # (varying over the manual axes like the block's operands)
         none = jnp.full((bsz, q_heads, q_chunk), -jnp.inf, jnp.float32)
         zeros = jnp.zeros((bsz, q_chunk, q_heads, v_dim), jnp.float32)
         return unify_vma((zeros, none, none, a.q, a.k))[:3]
 
-    shifted = compute(1 if cfg.causal else 0)
-    return jax.lax.switch(kind, [skip, shifted, compute(0), compute(1)], arrays)
+    if _follows_shift(cfg):
+        def shifted(a):
+            options = cfg.options._replace(causal=1 if cfg.causal else 0)
+            out, lse, row_max, _ = cfg.backend.run(a, options, False)
+            return out.astype(jnp.float32), lse, row_max
 
+        kind = jnp.where(_hidden(cfg, shift, chunk, chunk), 0, 1)
+        return jax.lax.switch(kind, [skip, shifted], arrays)
 
-def _block_backward(cfg: _Config, kind, arrays: Canonical, out, lse, dout, dlse):
-    def compute(causal):
-        options = cfg.options._replace(causal=causal)
-
-        def run(a, out, lse, dout, dlse):
-            dq, dk, dv = cfg.backend.block_backward(a, options, out, lse, dout, dlse)
-            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+    def banded(band):
+        def run(a):
+            out, lse, row_max, _ = cfg.backend.run(_sub_block(a, band), _band_options(cfg, band),
+                                                   False)
+            at = (band.q_lo, band.q_hi, q_chunk)
+            return (_pad(out.astype(jnp.float32), 1, *at, 0.0), _pad(lse, 2, *at, -jnp.inf),
+                    _pad(row_max, 2, *at, -jnp.inf))
         return run
 
+    table, bands = _static_plan(cfg, chunk, num_chunks)
+    index = table[shift // chunk + num_chunks - 1]
+    return jax.lax.switch(index, [skip, *(banded(b) for b in bands)], arrays)
+
+
+def _block_backward(cfg: _Config, shift, chunk: int, num_chunks: int, arrays: Canonical, out,
+                    lse, dout, dlse):
+    """`(dq, dk, dv)` (float32) of one block, from the whole problem's `out` and `lse`."""
     def skip(a, *rest):
         zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (a.q, a.k, a.v))
         return unify_vma((*zeros, a.q, a.k, *rest))[:3]
 
-    shifted = compute(1 if cfg.causal else 0)
-    return jax.lax.switch(kind, [skip, shifted, compute(0), compute(1)],
+    def as_f32(grads):
+        return tuple(g.astype(jnp.float32) for g in grads)
+
+    if _follows_shift(cfg):
+        def shifted(a, out, lse, dout, dlse):
+            options = cfg.options._replace(causal=1 if cfg.causal else 0)
+            return as_f32(cfg.backend.block_backward(a, options, out, lse, dout, dlse))
+
+        kind = jnp.where(_hidden(cfg, shift, chunk, chunk), 0, 1)
+        return jax.lax.switch(kind, [skip, shifted], arrays, out, lse, dout, dlse)
+
+    def banded(band):
+        def run(a, out, lse, dout, dlse):
+            q_rows = slice(band.q_lo, band.q_hi)
+            dq, dk, dv = as_f32(cfg.backend.block_backward(
+                _sub_block(a, band), _band_options(cfg, band), out[:, q_rows],
+                lse[:, :, q_rows], dout[:, q_rows], dlse[:, :, q_rows]))
+            return (_pad(dq, 1, band.q_lo, band.q_hi, a.q.shape[1], 0.0),
+                    _pad(dk, 1, band.k_lo, band.k_hi, a.k.shape[1], 0.0),
+                    _pad(dv, 1, band.k_lo, band.k_hi, a.k.shape[1], 0.0))
+        return run
+
+    table, bands = _static_plan(cfg, chunk, num_chunks)
+    index = table[shift // chunk + num_chunks - 1]
+    return jax.lax.switch(index, [skip, *(banded(b) for b in bands)],
                           arrays, out, lse, dout, dlse)
 
 
@@ -266,8 +373,7 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
                     shift = q0 - k0 + extra
                     arrays = _block_arrays(cfg, qp, kp, vp, qs, ks, ql, kl, rng, q0, k0, totals,
                                            shift)
-                    kind = _block_kind(cfg, shift, _hidden(cfg, shift, chunk, chunk))
-                    return _block_forward(cfg, kind, arrays)
+                    return _block_forward(cfg, shift, chunk, n * chunks, arrays)
 
                 args = (q_parts[qi], k_parts[ki], v_parts[ki],
                         qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
@@ -341,8 +447,8 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
                     shift = q0 - k0 + extra
                     arrays = _block_arrays(cfg, qp, kp, vp, qs, ks, ql, kl, rng, q0, k0, totals,
                                            shift)
-                    kind = _block_kind(cfg, shift, _hidden(cfg, shift, chunk, chunk))
-                    return _block_backward(cfg, kind, arrays, out, lse, dout, dlse)
+                    return _block_backward(cfg, shift, chunk, n * chunks, arrays, out, lse,
+                                           dout, dlse)
 
                 args = (q_parts[qi], k_parts[ki], v_parts[ki],
                         qs_parts[qi] if ks_parts else None, ks_parts[ki] if ks_parts else None,
@@ -555,12 +661,12 @@ def ring_attention(
     module = _backend_module(backend, jax.default_backend())
     has_lengths = q_seqlens is not None or kv_seqlens is not None
     if not getattr(module, "FOLLOWS_BLOCK_STATE", True):
-        if (options.window_left >= 0 or options.window_right >= 0 or options.dropout_rate > 0
-                or (options.causal == 2 and has_lengths)):
+        if options.dropout_rate > 0 or (options.causal == 2 and has_lengths):
             raise ValueError(
-                "`window`, dropout and a bottom-right mask with lengths are not supported by "
-                "context parallelism on GPU: cuDNN's masks and dropout generator are static per "
-                "graph and cannot take a block's global position (the CPU kernels can)."
+                "dropout and a bottom-right mask with lengths are not supported by context "
+                "parallelism on GPU: cuDNN's dropout generator and masks are static per graph, "
+                "and these would need a block's global position in each row (the CPU kernels "
+                "take it). Causal masks, windows, lengths and segment ids are served."
             )
     cfg = _Config(
         axis_name=axis_name, strategy=strategy, layout=layout,
