@@ -508,25 +508,30 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
 
 def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
-    """`(x, visible, vjp)`: the modified scores of a tile and the function that maps their
-    cotangent to those of the raw scores and of the row and column inputs (masked pairs
-    contribute nothing, even where a derivative is not finite)."""
+    """`(x, vjp)`: the modified scores of a tile and the function that maps their cotangent to
+    those of the raw scores and of the row and column inputs.
+
+    The tile function is elementwise (each score depends on its own pair's inputs), so its
+    Jacobian is diagonal: `jax.linearize` once, applied to a one-hot tangent per input, gives
+    the partial derivatives as tiles, in the same traced function as the scores (the function
+    is evaluated once; no residual escapes `_lowerable`). Masked pairs have zero partials
+    (`where`'s derivative) and a zero cotangent."""
     def f(s, rows, cols):
         return mod(s, q_pos, kv_pos, b, h, rows, cols, masked=masked)[0]
 
-    def pull(s, rows, cols, dx):
-        return jax.vjp(f, s, rows, cols)[1](dx)
+    def partials(s, rows, cols):
+        x, lin = jax.linearize(f, s, rows, cols)
+        one, zero = jnp.ones_like(s), jnp.zeros_like(s)
+        zr, zc = (zero,) * len(rows), (zero,) * len(cols)
+        d_s = lin(one, zr, zc)
+        d_rows = tuple(lin(zero, zr[:i] + (one,) + zr[i + 1:], zc) for i in range(len(rows)))
+        d_cols = tuple(lin(zero, zr, zc[:i] + (one,) + zc[i + 1:]) for i in range(len(cols)))
+        return x, d_s, d_rows, d_cols
 
-    x = f(s, row_vals, col_vals)
-    visible = (x > -jnp.inf) if masked else None
+    x, d_s, d_rows, d_cols = _lowerable(partials)(s, row_vals, col_vals)
 
     def vjp(dx):
-        ds, drows, dcols = _lowerable(pull)(s, row_vals, col_vals, dx)
-        if visible is not None:
-            ds = jnp.where(visible, ds, 0.0)
-            drows = tuple(jnp.where(visible, d, 0.0) for d in drows)
-            dcols = tuple(jnp.where(visible, d, 0.0) for d in dcols)
-        return ds, drows, dcols
+        return dx * d_s, tuple(dx * d for d in d_rows), tuple(dx * d for d in d_cols)
 
     return x, vjp
 
