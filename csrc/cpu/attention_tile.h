@@ -105,9 +105,15 @@ class FloatBuffer {
 
 inline void LoadRow(Elem elem, const void* base, int64_t offset, int64_t n, float* dst) {
   switch (elem) {
-    case Elem::kF32:
-      std::memcpy(dst, static_cast<const float*>(base) + offset, n * sizeof(float));
+    case Elem::kF32: {
+      // a vector at a time, inline: memcpy's call (rep movsb for rows of a few hundred bytes)
+      // cost more than the copy in the kernels' row-by-row staging loops
+      const float* src = static_cast<const float*>(base) + offset;
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) Store(dst + i, Load(src + i));
+      for (; i < n; ++i) dst[i] = src[i];
       break;
+    }
     case Elem::kBF16: {
       const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
       for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);

@@ -136,15 +136,28 @@ inline float DotBf16(const uint16_t*, const uint16_t*, int64_t) { return 0.0f; }
 inline void AxpyBf16(float, const uint16_t*, float*, int64_t) {}
 #endif
 
-// C[keys][lanes] = K[keys][depth] B[depth][lanes] with K rows `dp` floats apart (a compile-time
-// row step for the register-blocked product).
-inline void GemmKeyRows(int64_t dp, int64_t rows, int64_t depth, const float* k, const float* b,
-                        int64_t ldb, int64_t width, float* c, int64_t ldc) {
-  switch (dp) {
-    case 64: GemmLanes<64>(rows, depth, k, 1, b, ldb, width, c, ldc, false); break;
-    case 128: GemmLanes<128>(rows, depth, k, 1, b, ldb, width, c, ldc, false); break;
-    default: GemmLanes<256>(rows, depth, k, 1, b, ldb, width, c, ldc, false); break;
+// C[keys][lanes] = K[keys][depth] B[depth][lanes] with K rows `row_step` floats apart (a
+// compile-time row step for the register-blocked product): staged rows (64, 128, 256) or, read
+// in place, a key's rows of every kv head (kv heads x head dim). False for another step.
+inline bool GemmKeyRows(int64_t row_step, int64_t rows, int64_t depth, const float* k,
+                        const float* b, int64_t ldb, int64_t width, float* c, int64_t ldc) {
+  switch (row_step) {
+#define ATTNAUX_KEY_ROWS(STEP) \
+  case STEP: GemmLanes<STEP>(rows, depth, k, 1, b, ldb, width, c, ldc, false); return true;
+    ATTNAUX_KEY_ROWS(64)
+    ATTNAUX_KEY_ROWS(128)
+    ATTNAUX_KEY_ROWS(256)
+    ATTNAUX_KEY_ROWS(512)
+    ATTNAUX_KEY_ROWS(1024)
+    ATTNAUX_KEY_ROWS(2048)
+    ATTNAUX_KEY_ROWS(4096)
+#undef ATTNAUX_KEY_ROWS
+    default: return false;
   }
+}
+
+inline bool KeyRowStepCompiled(int64_t row_step) {
+  return row_step >= 64 && row_step <= 4096 && (row_step & (row_step - 1)) == 0;
 }
 
 // The rows of one (batch, kv head): query head h = hkv * group + g, query index i; row r =
@@ -458,6 +471,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   const bool gemm = n >= kDecodeGemmRows && (dp == 64 || dp == 128 || dp == 256);
   // float32 rows of whole vectors are read in place; others are converted per tile
   const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
+  const bool exact_keys = p.kv_len < (int64_t{1} << 24);  // key indices exact as float32
   FloatBuffer partial(p.batch * chunks * hk * per_head);
   auto state = [&](int64_t b, int64_t chunk, int64_t hkv) {
     return partial.get() + ((b * chunks + chunk) * hk + hkv) * per_head;
@@ -487,7 +501,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     }
     std::vector<float> s(hk * n * kDecodeTile);
     // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head
-    std::vector<float> qt, ot, ml, ll, st;
+    std::vector<float> qt, ot, ml, ll, st, range_lo, range_hi;
     if (gemm) {
       qt.assign(hk * d * np, 0.0f);
       ot.assign(hk * dvp * np, 0.0f);
@@ -497,6 +511,16 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
         for (int64_t r = 0; r < n; ++r) {
           for (int64_t x = 0; x < d; ++x) qt[(hkv * d + x) * np + r] = heads[hkv].q[r * dp + x];
+        }
+      }
+      // each lane's visible keys [lo, hi) as floats (key indices are exact below 2**24: the
+      // kernel ABI bounds sequences there); padding lanes and invalid rows see none
+      range_lo.assign(hk * np, kInf);
+      range_hi.assign(hk * np, -kInf);
+      for (int64_t hkv = 0; hkv < hk; ++hkv) {
+        for (int64_t r = 0; r < n; ++r) {
+          range_lo[hkv * np + r] = static_cast<float>(heads[hkv].lo[r]);
+          range_hi[hkv * np + r] = static_cast<float>(heads[hkv].hi[r]);
         }
       }
     }
@@ -512,37 +536,72 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         }
         continue;
       }
-      // the tile's K and V rows of every kv head, read in memory order (a key's heads are
-      // contiguous), converted to float32: [hk][kDecodeTile][dp] (keys past nk zero)
+      // K and V: float32 rows of whole vectors of a whole tile are read in place by the
+      // products (their arithmetic overlaps the reads from memory); otherwise the tile's rows of
+      // every kv head are read in memory order (a key's heads are contiguous) and converted to
+      // float32: [hk][kDecodeTile][dp] (keys past nk zero).
+      const bool in_place = p.elem == Elem::kF32 && d == dp && dv == dvp &&
+                            nk == kDecodeTile && KeyRowStepCompiled(hk * d);
+      const int64_t k_step = in_place ? hk * d : dp, v_step = in_place ? hk * dv : dvp;
       std::vector<char> bad(hk, 0);
-      if (nk < kDecodeTile) {
-        std::fill(kstage.begin(), kstage.end(), 0.0f);
-        std::fill(vstage.begin(), vstage.end(), 0.0f);
-      }
-      for (int64_t j = 0; j < nk; ++j) {
-        for (int64_t hkv = 0; hkv < hk; ++hkv) {
-          const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
-          float* krow_j = kstage.data() + (hkv * kDecodeTile + j) * dp;
-          float* vrow_j = vstage.data() + (hkv * kDecodeTile + j) * dvp;
-          LoadRow(p.elem, p.k, token * d, d, krow_j);
-          LoadRow(p.elem, p.v, token * dv, dv, vrow_j);
-          if (!FiniteRow(vrow_j, dvp)) bad[hkv] = 1;
+      if (in_place) {
+        const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * dv;
+        for (int64_t j = 0; j < nk; ++j) {
+          for (int64_t hkv = 0; hkv < hk; ++hkv) {
+            if (!FiniteRow(vbase + (j * hk + hkv) * dv, dvp)) bad[hkv] = 1;
+          }
+        }
+      } else {
+        if (nk < kDecodeTile) {
+          std::fill(kstage.begin(), kstage.end(), 0.0f);
+          std::fill(vstage.begin(), vstage.end(), 0.0f);
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          for (int64_t hkv = 0; hkv < hk; ++hkv) {
+            const int64_t token = (b * p.kv_len + j0 + j) * hk + hkv;
+            float* krow_j = kstage.data() + (hkv * kDecodeTile + j) * dp;
+            float* vrow_j = vstage.data() + (hkv * kDecodeTile + j) * dvp;
+            LoadRow(p.elem, p.k, token * d, d, krow_j);
+            LoadRow(p.elem, p.v, token * dv, dv, vrow_j);
+            if (!FiniteRow(vrow_j, dvp)) bad[hkv] = 1;
+          }
         }
       }
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
         const DecodeRows& rows = heads[hkv];
-        const float* kh = kstage.data() + hkv * kDecodeTile * dp;
-        const float* vh = vstage.data() + hkv * kDecodeTile * dvp;
+        const float* kh = in_place
+            ? static_cast<const float*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d
+            : kstage.data() + hkv * kDecodeTile * dp;
+        const float* vh = in_place
+            ? static_cast<const float*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv
+            : vstage.data() + hkv * kDecodeTile * dvp;
         // Rows in the lanes: S^T [keys][np] = K Q^T
-        GemmKeyRows(dp, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
+        GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
                     np / kLanes, st.data(), np);
-        for (int64_t j = 0; j < kDecodeTile; ++j) {
-          float* sj = st.data() + j * np;
-          for (int64_t r = 0; r < np; ++r) {
-            const bool seen = r < n && j < nk && j0 + j >= rows.lo[r] && j0 + j < rows.hi[r];
-            float x = sj[r] * p.scale;
-            if (p.softcap > 0.0f && seen) x = p.softcap * std::tanh(x / p.softcap);
-            sj[r] = seen ? x : -kInf;
+        if (p.softcap > 0.0f || !exact_keys) {
+          for (int64_t j = 0; j < kDecodeTile; ++j) {
+            float* sj = st.data() + j * np;
+            for (int64_t r = 0; r < np; ++r) {
+              const bool seen = r < n && j < nk && j0 + j >= rows.lo[r] && j0 + j < rows.hi[r];
+              float x = sj[r] * p.scale;
+              if (seen) x = p.softcap * std::tanh(x / p.softcap);
+              sj[r] = seen ? x : -kInf;
+            }
+          }
+        } else {  // the same, a vector of rows at a time (a scalar loop cost as much as the GEMM)
+          const float* lo = range_lo.data() + hkv * np;
+          const float* hi = range_hi.data() + hkv * np;
+          for (int64_t j = 0; j < kDecodeTile; ++j) {
+            float* sj = st.data() + j * np;
+            if (j >= nk) {
+              std::fill(sj, sj + np, -kInf);
+              continue;
+            }
+            const VecF key = Splat(static_cast<float>(j0 + j));
+            for (int64_t v = 0; v < np; v += kLanes) {
+              const VecF x = Load(sj + v) * p.scale;
+              Store(sj + v, key >= Load(lo + v) && key < Load(hi + v) ? x : Splat(-kInf));
+            }
           }
         }
         float* m = ml.data() + hkv * np;
@@ -567,13 +626,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           for (int64_t x = 0; x < dvp; ++x) Store(oth + x * np + v, Load(oth + x * np + v) * alpha);
         }
         if (!bad[hkv]) {  // O^T += V^T P^T (keys past nk have P = 0 and zero rows)
-          GemmLanes<1>(dv, kDecodeTile, vh, dvp, st.data(), np, np / kLanes, oth, np, true);
+          GemmLanes<1>(dv, kDecodeTile, vh, v_step, st.data(), np, np / kLanes, oth, np, true);
         } else {  // a value row holds NaN or inf: only the keys a row sees
           for (int64_t j = 0; j < nk; ++j) {
             for (int64_t r = 0; r < n; ++r) {
               const float pr = st[j * np + r];
               if (pr == 0.0f) continue;
-              for (int64_t x = 0; x < dv; ++x) oth[x * np + r] += pr * vh[j * dvp + x];
+              for (int64_t x = 0; x < dv; ++x) oth[x * np + r] += pr * vh[j * v_step + x];
             }
           }
         }
