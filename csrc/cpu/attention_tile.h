@@ -116,7 +116,9 @@ inline void LoadRow(Elem elem, const void* base, int64_t offset, int64_t n, floa
     }
     case Elem::kBF16: {
       const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) Store(dst + i, LoadBf16(src + i));
+      for (; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
       break;
     }
     case Elem::kF16: {

@@ -112,6 +112,18 @@ inline uint32_t FloatToBits(float f) {
 
 inline float Bf16ToFloat(uint16_t h) { return BitsToFloat(uint32_t{h} << 16); }
 
+// kLanes bfloat16 values widened to float32 (the same bits as Bf16ToFloat, a vector at a time).
+typedef uint16_t VecBf16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline VecF LoadBf16(const uint16_t* p) {
+  VecBf16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const VecU32 bits = __builtin_convertvector(h, VecU32) << 16;
+  VecF v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 // Round to nearest even; NaN stays a (quiet) NaN.
 inline uint16_t FloatToBf16(float f) {
   uint32_t u = FloatToBits(f);
