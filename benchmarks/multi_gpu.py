@@ -34,9 +34,7 @@ after one warm-up (the machines are shared: read the ratios of one run). Device 
 import argparse
 import contextlib
 import os
-import statistics
 import sys
-import time
 
 import equinox as eqx
 import jax
@@ -49,17 +47,7 @@ import attnaux.parallel as par
 from attnaux import introspect as ai
 
 sys.path.insert(0, os.path.dirname(__file__))
-from context_parallel import work_per_device  # noqa: E402
-
-
-def timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from context_parallel import timed, work_per_device  # noqa: E402
 
 
 def device_counts(limit: int) -> list[int]:

@@ -65,6 +65,14 @@ def close(a, b, tol, what):
     assert err <= tol * scale, f"{what}: max |diff| {err:.3g} > {tol * scale:.3g}"
 
 
+def check(values, grads, want, want_grads):
+    """`(out, lse, max)` and the gradients (q, k, v[, sink]) against the one-GPU call's."""
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
+        close(got, expected, BF16_TOL if name == "out" else STAT_TOL, name)
+    for g, w, name in zip(grads, want_grads, ("q", "k", "v", "sink")):
+        close(g, w, BF16_TOL, f"d{name}")
+
+
 def inputs(batch, seq, heads, kv_heads, dim, dtype=jnp.bfloat16, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
     return tuple(jax.random.normal(key, (batch, seq, h, dim), dtype)
@@ -138,10 +146,7 @@ def test_flash_sharded_over_batch_and_heads_is_shard_local(spec_name, case):
         assert not found, f"{spec_name} {what}: collectives in the compiled HLO: {found}"
     grads, values = jax.jit(grad)(*sharded)
     want_grads, want = jax.jit(grad)(*one_gpu(q, k, v, *extra))
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, BF16_TOL if name == "out" else STAT_TOL, name)
-    for g, w, name in zip(grads, want_grads, ("q", "k", "v", "sink")):
-        close(g, w, BF16_TOL, f"d{name}")
+    check(values, grads, want, want_grads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,10 +238,7 @@ def test_context_parallel_equals_the_one_gpu_call(n, strategy, layout, causal):
         assert "all-gather" in found, found
     grads, values = jax.jit(cp)(q, k, v)
     want_grads, want = jax.jit(plain)(*one_gpu(q, k, v))
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, BF16_TOL if name == "out" else STAT_TOL, name)
-    for g, w, name in zip(grads, want_grads, "qkv"):
-        close(g, w, BF16_TOL, f"d{name}")
+    check(values, grads, want, want_grads)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
@@ -258,10 +260,7 @@ def test_context_parallel_options_at_global_positions(strategy):
         backend="flash", **options)), argnums=(0, 1, 2, 3), has_aux=True)
     grads, values = jax.jit(cp)(q, k, v, sink)
     want_grads, want = jax.jit(plain)(*one_gpu(q, k, v, sink))
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, BF16_TOL if name == "out" else STAT_TOL, name)
-    for g, w, name in zip(grads, want_grads, ("q", "k", "v", "sink")):
-        close(g, w, BF16_TOL, f"d{name}")
+    check(values, grads, want, want_grads)
 
 
 @pytest.mark.parametrize(("strategy", "layout", "options"), [
@@ -280,10 +279,7 @@ def test_context_parallel_windows(strategy, layout, options):
                      argnums=(0, 1, 2), has_aux=True)
     grads, values = jax.jit(cp)(q, k, v)
     want_grads, want = jax.jit(plain)(*one_gpu(q, k, v))
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, BF16_TOL if name == "out" else STAT_TOL, name)
-    for g, w, name in zip(grads, want_grads, "qkv"):
-        close(g, w, BF16_TOL, f"d{name}")
+    check(values, grads, want, want_grads)
 
 
 @pytest.mark.parametrize("options", [

@@ -34,6 +34,24 @@ def _setup(axis: str, seq: int, seed: int):
                             for key, h in zip(ks, heads))
 
 
+def _check(cp, plain, q, k, v, tol):
+    """`cp(q, k, v) -> (out, lse)` (the ring, jitted) against `plain` (the one-call flash):
+    the values, and the gradients of `sum(sin(out)) + 0.3 * sum(lse)`."""
+    def loss(fn):
+        return lambda q, k, v: (jnp.sum(jnp.sin(fn(q, k, v)[0].astype(jnp.float32)))
+                                + 0.3 * jnp.sum(fn(q, k, v)[1]))
+
+    for got, want, name in zip(jax.jit(cp)(q, k, v), plain(q, k, v), ("out", "lse")):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol, err_msg=name)
+    grads = jax.jit(jax.grad(loss(cp), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    for g, w, name in zip(grads, want, "qkv"):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale = max(1.0, float(np.abs(w).max()))
+        assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_zigzag_on_one_device(strategy, causal):
@@ -52,19 +70,7 @@ def test_zigzag_on_one_device(strategy, causal):
         out, aux = ax.attention(q, k, v, causal=causal, kv_seqlens=seqlens, backend="flash")
         return out, aux.lse
 
-    def loss(fn):
-        return lambda q, k, v: (jnp.sum(jnp.sin(fn(q, k, v)[0].astype(jnp.float32)))
-                                + 0.3 * jnp.sum(fn(q, k, v)[1]))
-
-    for got, want, name in zip(jax.jit(cp)(q, k, v), plain(q, k, v), ("out", "lse")):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   rtol=tol, atol=tol, err_msg=name)
-    grads = jax.jit(jax.grad(loss(cp), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
-    for g, w, name in zip(grads, want, "qkv"):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        scale = max(1.0, float(np.abs(w).max()))
-        assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
+    _check(cp, plain, q, k, v, tol)
 
 
 @pytest.mark.parametrize("options", [dict(causal=True, window=(20, 0)),
@@ -87,19 +93,7 @@ def test_zigzag_windows_on_one_device(options):
         out, aux = ax.attention(q, k, v, backend="flash", **options)
         return out, aux.lse
 
-    def loss(fn):
-        return lambda q, k, v: (jnp.sum(jnp.sin(fn(q, k, v)[0].astype(jnp.float32)))
-                                + 0.3 * jnp.sum(fn(q, k, v)[1]))
-
-    for got, want, name in zip(jax.jit(cp)(q, k, v), plain(q, k, v), ("out", "lse")):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   rtol=tol, atol=tol, err_msg=name)
-    grads = jax.jit(jax.grad(loss(cp), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
-    for g, w, name in zip(grads, want, "qkv"):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        scale = max(1.0, float(np.abs(w).max()))
-        assert float(np.abs(g - w).max()) <= tol * scale, f"d{name}"
+    _check(cp, plain, q, k, v, tol)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
