@@ -502,6 +502,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     std::vector<float> s(hk * n * kDecodeTile);
     // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head
     std::vector<float> qt, ot, ml, ll, st, range_lo, range_hi;
+    std::vector<VecF> finite_sums;  // x * 0 summed over a tile's V rows, per kv head
     if (gemm) {
       qt.assign(hk * d * np, 0.0f);
       ot.assign(hk * dvp * np, 0.0f);
@@ -544,12 +545,19 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
                             nk == kDecodeTile && KeyRowStepCompiled(hk * d);
       const int64_t k_step = in_place ? hk * d : dp, v_step = in_place ? hk * dv : dvp;
       std::vector<char> bad(hk, 0);
-      if (in_place) {
+      if (in_place) {  // V's rows in memory order; one look at the lanes per kv head
         const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * dv;
+        finite_sums.assign(hk, VecF{});
         for (int64_t j = 0; j < nk; ++j) {
           for (int64_t hkv = 0; hkv < hk; ++hkv) {
-            if (!FiniteRow(vbase + (j * hk + hkv) * dv, dvp)) bad[hkv] = 1;
+            const float* row = vbase + (j * hk + hkv) * dv;
+            VecF acc = finite_sums[hkv];
+            for (int64_t e = 0; e < dvp; e += kLanes) acc += Load(row + e) * 0.0f;
+            finite_sums[hkv] = acc;
           }
+        }
+        for (int64_t hkv = 0; hkv < hk; ++hkv) {
+          for (int lane = 0; lane < kLanes; ++lane) bad[hkv] |= finite_sums[hkv][lane] != 0.0f;
         }
       } else {
         if (nk < kDecodeTile) {
