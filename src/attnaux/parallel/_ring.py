@@ -9,14 +9,17 @@ every device has the same work). Its queries attend to every key block in turn:
 - `strategy="allgather"`: the key/value blocks are gathered once, then visited locally.
 
 Each (query chunk, key chunk) pair is one call of the compiled kernels with the masks at global
-positions: a pair entirely above the causal diagonal is skipped (costs nothing), a pair on it is
-a causal block, the others are full blocks; segment ids travel with their keys, sequence lengths
-are global. The partial results are merged by their log-sum-exp (the `AttnAux` statistics), so
-`out`, `lse` and `max` are exact. The backward is a ring too: each key block's `dk`, `dv` travel
-with it and arrive home after n hops; every block's share comes from the backward kernel run
-with the whole problem's `out` and `lse` (`block_backward` of the backend), exact, with the
-gradient through `aux.lse`. Dropout draws the unsharded call's keep-mask: each block's kernel
-gets its origin in the whole problem (the 12-word dropout state of `docs/kernel_abi.md`).
+positions: a pair that the causal mask or the window hides entirely is skipped (costs nothing);
+the CPU kernels take the pair's diagonal shift in their block state, and cuDNN, whose masks are
+static graph attributes, gets one static call chosen by the shift (`_band`: full, causal on the
+diagonal, a window band, or a slice of the block); segment ids travel with their keys, sequence
+lengths are global. The partial results are merged by their log-sum-exp (the `AttnAux`
+statistics), so `out`, `lse` and `max` are exact. The backward is a ring too: each key block's
+`dk`, `dv` travel with it and arrive home after n hops; every block's share comes from the
+backward kernel run with the whole problem's `out` and `lse` (`block_backward` of the backend),
+exact, with the gradient through `aux.lse`. Dropout draws the unsharded call's keep-mask: each
+block's kernel gets its origin in the whole problem (the 12-word dropout state of
+`docs/kernel_abi.md`; the CPU kernels only).
 """
 
 import functools
