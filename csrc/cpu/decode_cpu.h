@@ -514,8 +514,9 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           for (int64_t x = 0; x < d; ++x) qt[(hkv * d + x) * np + r] = heads[hkv].q[r * dp + x];
         }
       }
-      // each lane's visible keys [lo, hi) as floats (key indices are exact below 2**24: the
-      // kernel ABI bounds sequences there); padding lanes and invalid rows see none
+      // each lane's visible keys [lo, hi) as floats (exact for key indices below 2**24,
+      // `exact_keys`; longer caches take the scalar loop); padding lanes and invalid rows see
+      // none
       range_lo.assign(hk * np, kInf);
       range_hi.assign(hk * np, -kInf);
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
