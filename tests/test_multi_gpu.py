@@ -9,7 +9,8 @@ host CPU devices, on real GPUs with the GPU kernels (cuDNN `flash`, attnaux's CU
 - Context parallelism (`attnaux.parallel`) on 2, 4 (and 8) GPUs: ring and all-gather, contiguous
   and zigzag, causal and not, GQA, segment ids, global lengths, windows, softcap and sink: out,
   lse, max and the gradients (through `aux.lse` too) equal `attnaux.attention(backend="flash")`
-  of the whole sequence on one GPU; dropout and a bottom-right mask with lengths are refused.
+  of the whole sequence on one GPU, also with a bottom-right mask and lengths; dropout, and a
+  window with a bottom-right mask and lengths, are refused.
 
 Skipped without 2 or more GPUs (CI has none). Tolerances: bfloat16 inputs for cuDNN; both sides
 round `out` and the gradients to bfloat16 (1 ulp = 7.8e-3 relative), and the ring merges block
@@ -266,11 +267,16 @@ def test_context_parallel_options_at_global_positions(strategy):
 @pytest.mark.parametrize(("strategy", "layout", "options"), [
     ("ring", "zigzag", dict(causal=True, window=(100, 0))),
     ("allgather", "contiguous", dict(causal=False, window=(300, 50))),
-])
+    ("ring", "zigzag", dict(causal="bottom_right", q_seqlens=jnp.asarray([700, 200]),
+                            kv_seqlens=jnp.asarray([1024, 150]))),
+], ids=["causal-window", "two-sided-window", "bottom-right-lengths"])
 def test_context_parallel_windows(strategy, layout, options):
     """Windows shorter and longer than a chunk (128 tokens with zigzag, 256 contiguous): static
-    cuDNN bands, and slices of a block where a band starts right of its diagonal."""
+    cuDNN bands, and slices of a block where a band starts right of its diagonal; a bottom-right
+    mask with lengths, whose diagonal moves per row (lengths for the 1024 tokens of 4 GPUs)."""
     n = COUNTS[-1]
+    if "q_seqlens" in options and n != 4:
+        pytest.skip("the lengths are chosen for 4 GPUs (1024 tokens)")
     q, k, v = inputs(2, 256 * n, 8, 4, 64, seed=6)
     cp = jax.grad(probe_loss(cp_attend(n, strategy, layout, **options)), argnums=(0, 1, 2),
                   has_aux=True)
@@ -283,10 +289,11 @@ def test_context_parallel_windows(strategy, layout, options):
 
 
 @pytest.mark.parametrize("options", [
-    dict(dropout_rate=0.1), dict(causal="bottom_right", kv_seqlens=jnp.asarray([400]))])
+    dict(dropout_rate=0.1, causal=True),
+    dict(causal="bottom_right", kv_seqlens=jnp.asarray([400]), window=(64, 0))])
 def test_context_parallel_refuses_what_cudnn_cannot_place(options):
     q, k, v = inputs(1, 512, 4, 4, 64)
     if "dropout_rate" in options:
-        options = dict(options, key=jax.random.key(0), causal=True)
+        options = dict(options, key=jax.random.key(0))
     with pytest.raises(ValueError, match="context parallelism"):
         jax.jit(cp_attend(2, "ring", "zigzag", **options))(q, k, v)

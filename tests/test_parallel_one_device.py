@@ -73,12 +73,15 @@ def test_zigzag_on_one_device(strategy, causal):
     _check(cp, plain, q, k, v, tol)
 
 
-@pytest.mark.parametrize("options", [dict(causal=True, window=(20, 0)),
-                                     dict(causal=False, window=(70, 10))],
-                         ids=["causal-window20", "window70-10"])
+@pytest.mark.parametrize("options", [
+    dict(causal=True, window=(20, 0)), dict(causal=False, window=(70, 10)),
+    dict(causal="bottom_right", q_seqlens=jnp.asarray([100, 37]),
+         kv_seqlens=jnp.asarray([128, 30]))],
+    ids=["causal-window20", "window70-10", "bottom-right-lengths"])
 def test_zigzag_windows_on_one_device(options):
-    """Windows on a one-device zigzag ring (chunks of 64: the blocks have shifts 0 and +-64):
-    on GPU each block is a static cuDNN band or a slice of the block (`_ring._band`)."""
+    """Windows and a bottom-right mask with lengths on a one-device zigzag ring (chunks of 64:
+    the blocks have shifts 0 and +-64, plus kv_len - q_len of each row): on GPU each block is a
+    static cuDNN call (`_ring._band`, `_ring._diagonal_kind`)."""
     mesh, tol, (q, k, v) = _setup("sp", seq=128, seed=2)
 
     def cp(q, k, v):

@@ -211,6 +211,16 @@ STATIC_CASES = {
     "allgather-contiguous-two-sided-window": (
         "allgather", "contiguous", dict(causal=False, window=(5, 20)), {}),
     "ring-contiguous-full-softcap": ("ring", "contiguous", dict(causal=False, softcap=3.0), {}),
+    # the diagonal moves per row by kv_len - q_len: +14 / +16, -27 / +24, +5 / +5
+    "ring-zigzag-bottom-right-lengths": ("ring", "zigzag", dict(causal="bottom_right"),
+                                         dict(q_seqlens=[50, 13], kv_seqlens=[64, 29])),
+    "allgather-contiguous-bottom-right-lengths-segments": (
+        "allgather", "contiguous", dict(causal="bottom_right"),
+        dict(q_segment_ids=np.repeat(np.arange(4), 16)[None].repeat(B, 0),
+             q_seqlens=[64, 40], kv_seqlens=[37, 64])),
+    "ring-contiguous-bottom-right-lengths-short": (
+        "ring", "contiguous", dict(causal="bottom_right"),
+        dict(q_seqlens=[59, 3], kv_seqlens=[64, 8])),
 }
 
 

@@ -230,6 +230,97 @@ def _pad(x, axis: int, lo: int, hi: int, size: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _diagonal_kind(shift, chunk: int):
+    """A bottom-right causal mask with lengths on a static-mask backend: the block's diagonal
+    `d` (the shift, data: `kv_len - q_len` of the row moves it) picks 0: skipped (`d <= -chunk`),
+    1: full (`d >= chunk - 1`), 2: one bottom-right call whose key length `chunk + d` puts
+    cuDNN's diagonal at `d` (`d <= 0`), 3: two calls (`0 < d < chunk - 1`: rows `[0, chunk - d)`
+    bottom-right with query length `chunk - d`, the others see every key). For a valid row the
+    causal bound implies the key-length bound, so lengths need no other care; rows past the
+    block's query length are zeroed (forward) or have lse = -inf, hence P = 0 (backward)."""
+    return jnp.where(shift <= -chunk, 0, jnp.where(shift >= chunk - 1, 1,
+                                                   jnp.where(shift <= 0, 2, 3)))
+
+
+def _with_lengths(a: Canonical, q_len, kv_len) -> Canonical:
+    """`a` with these (block-local) lengths and the diagonal-shift word 0 (static masks)."""
+    def full(x):
+        return jnp.broadcast_to(jnp.asarray(x, jnp.int32), a.q_seqlens.shape)
+
+    return a._replace(q_seqlens=full(q_len), kv_seqlens=full(kv_len),
+                      rng_state=a.rng_state.at[11].set(jnp.uint32(0)))
+
+
+def _diagonal_options(cfg: _Config, causal: int) -> Options:
+    return cfg.options._replace(causal=causal, window_left=-1, window_right=-1)
+
+
+def _diagonal_forward(cfg: _Config, shift, chunk: int, arrays: Canonical, skip):
+    """`_block_forward` for a bottom-right mask with lengths on a static-mask backend (one batch
+    row: `_rows` maps the rows); see `_diagonal_kind`."""
+    rows = jnp.arange(chunk)
+
+    def run(a, causal):
+        out, lse, row_max, _ = cfg.backend.run(a, _diagonal_options(cfg, causal), False)
+        return out.astype(jnp.float32), lse, row_max
+
+    def valid_only(a, result):  # rows past the block's query length see nothing
+        out, lse, row_max = result
+        keep = rows[None, :] < a.q_seqlens[:, None]  # [b, q]
+        return (jnp.where(keep[:, :, None, None], out, 0.0),
+                jnp.where(keep[:, None, :], lse, -jnp.inf),
+                jnp.where(keep[:, None, :], row_max, -jnp.inf))
+
+    def full(a, d):
+        return run(_with_lengths(a, a.q_seqlens, a.kv_seqlens), 0)
+
+    def below(a, d):
+        return valid_only(a, run(_with_lengths(a, chunk, chunk + d), 2))
+
+    def split(a, d):
+        upper = run(_with_lengths(a, chunk - d, chunk), 2)
+        lower = run(_with_lengths(a, chunk, chunk), 0)
+        take = rows < chunk - d
+        out = jnp.where(take[None, :, None, None], upper[0], lower[0])
+        lse, row_max = (jnp.where(take[None, None, :], u, w)
+                        for u, w in zip(upper[1:], lower[1:]))
+        return valid_only(a, (out, lse, row_max))
+
+    d = jnp.asarray(shift, jnp.int32)
+    return jax.lax.switch(_diagonal_kind(d, chunk),
+                          [lambda a, d: skip(a), full, below, split], arrays, d)
+
+
+def _diagonal_backward(cfg: _Config, shift, chunk: int, arrays: Canonical, out, lse, dout,
+                       dlse, skip):
+    """`_block_backward` for a bottom-right mask with lengths on a static-mask backend."""
+    rows = jnp.arange(chunk)
+
+    def run(a, causal, dout, dlse):
+        grads = cfg.backend.block_backward(a, _diagonal_options(cfg, causal), out, lse, dout,
+                                           dlse)
+        return tuple(g.astype(jnp.float32) for g in grads)
+
+    def full(a, d):
+        return run(_with_lengths(a, a.q_seqlens, a.kv_seqlens), 0, dout, dlse)
+
+    def below(a, d):
+        return run(_with_lengths(a, chunk, chunk + d), 2, dout, dlse)
+
+    def split(a, d):
+        upper = run(_with_lengths(a, chunk - d, chunk), 2, dout, dlse)  # rows past: padding
+        lower_rows = rows >= chunk - d  # the other rows' cotangents out of the full call
+        lower = run(_with_lengths(a, chunk, chunk), 0,
+                    jnp.where(lower_rows[None, :, None, None], dout, 0).astype(dout.dtype),
+                    jnp.where(lower_rows[None, None, :], dlse, 0.0))
+        return tuple(u + w for u, w in zip(upper, lower))
+
+    d = jnp.asarray(shift, jnp.int32)
+    return jax.lax.switch(_diagonal_kind(d, chunk),
+                          [lambda a, d: skip(a, out, lse, dout, dlse), full, below, split],
+                          arrays, d)
+
+
 def _block_forward(cfg: _Config, shift, chunk: int, num_chunks: int, arrays: Canonical):
     """`(out, lse, max)` (float32) of one block: skipped when every pair is hidden; else one
     kernel call, with the block state's shift (a backend that follows it) or a static band."""
@@ -259,6 +350,8 @@ def _block_forward(cfg: _Config, shift, chunk: int, num_chunks: int, arrays: Can
                     _pad(row_max, 2, *at, -jnp.inf))
         return run
 
+    if cfg.bottom_right_lengths:
+        return _diagonal_forward(cfg, shift, chunk, arrays, skip)
     table, bands = _static_plan(cfg, chunk, num_chunks)
     index = table[shift // chunk + num_chunks - 1]
     return jax.lax.switch(index, [skip, *(banded(b) for b in bands)], arrays)
@@ -293,6 +386,8 @@ def _block_backward(cfg: _Config, shift, chunk: int, num_chunks: int, arrays: Ca
                     _pad(dv, 1, band.k_lo, band.k_hi, a.k.shape[1], 0.0))
         return run
 
+    if cfg.bottom_right_lengths:
+        return _diagonal_backward(cfg, shift, chunk, arrays, out, lse, dout, dlse, skip)
     table, bands = _static_plan(cfg, chunk, num_chunks)
     index = table[shift // chunk + num_chunks - 1]
     return jax.lax.switch(index, [skip, *(banded(b) for b in bands)],
@@ -664,12 +759,19 @@ def ring_attention(
     module = _backend_module(backend, jax.default_backend())
     has_lengths = q_seqlens is not None or kv_seqlens is not None
     if not getattr(module, "FOLLOWS_BLOCK_STATE", True):
-        if options.dropout_rate > 0 or (options.causal == 2 and has_lengths):
+        if options.dropout_rate > 0:
             raise ValueError(
-                "dropout and a bottom-right mask with lengths are not supported by context "
-                "parallelism on GPU: cuDNN's dropout generator and masks are static per graph, "
-                "and these would need a block's global position in each row (the CPU kernels "
-                "take it). Causal masks, windows, lengths and segment ids are served."
+                "dropout is not supported by context parallelism on GPU: cuDNN's dropout "
+                "generator is static per graph and cannot draw a block's part of the whole "
+                "problem's mask (the CPU kernels take the block's origin)."
+            )
+        windowed = options.window_left >= 0 or options.window_right >= 0
+        if options.causal == 2 and has_lengths and windowed:
+            raise ValueError(
+                "a `window` with a bottom-right mask and lengths is not supported by context "
+                "parallelism on GPU: the diagonal moves per row by data, and cuDNN's window "
+                "bounds are static per graph (a bottom-right mask with lengths is served "
+                "without a window, and windows with every other mask)."
             )
     cfg = _Config(
         axis_name=axis_name, strategy=strategy, layout=layout,
