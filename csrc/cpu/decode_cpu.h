@@ -381,7 +381,44 @@ inline void DotTileHeads(const AttentionParams& p,
         __builtin_prefetch(knext + line * kPrefetchStride, 0, 2);
       }
     }
-    for (int64_t r = 0; r < n; ++r) {
+    auto finish = [&](VecF acc) {
+      float x = HorizontalSum(acc) * p.scale;
+      if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+      return x;
+    };
+    int64_t r = 0;
+    // Two rows with the same keys (GQA rows of one query position) at a time: each key row is
+    // loaded once for both dot products (a row's arithmetic and order are a single row's).
+    for (; r + 1 < n && rows.lo[r] == rows.lo[r + 1] && rows.hi[r] == rows.hi[r + 1]; r += 2) {
+      VecF q0[NV], q1[NV];
+      for (int v = 0; v < NV; ++v) {
+        q0[v] = Load(rows.q.data() + r * kD + v * kLanes);
+        q1[v] = Load(rows.q.data() + (r + 1) * kD + v * kLanes);
+      }
+      float* sr0 = s.data() + (hkv * n + r) * kDecodeTile;
+      float* sr1 = sr0 + kDecodeTile;
+      const int64_t a = std::max<int64_t>(rows.lo[r] - j0, 0);
+      const int64_t e = std::min<int64_t>(rows.hi[r] - j0, nk);
+      for (int64_t j = a; j < e; ++j) {
+        const float* k = kbase + (j * hk + hkv) * kD;
+        VecF a0 = VecF{}, a1 = VecF{}, b0 = VecF{}, b1 = VecF{};
+        for (int v = 0; v + 1 < NV; v += 2) {
+          const VecF k0 = Load(k + v * kLanes), k1 = Load(k + (v + 1) * kLanes);
+          a0 += q0[v] * k0;
+          a1 += q0[v + 1] * k1;
+          b0 += q1[v] * k0;
+          b1 += q1[v + 1] * k1;
+        }
+        if (NV % 2 != 0) {
+          const VecF kl = Load(k + (NV - 1) * kLanes);
+          a0 += q0[NV - 1] * kl;
+          b0 += q1[NV - 1] * kl;
+        }
+        sr0[j] = finish(a0 + a1);
+        sr1[j] = finish(b0 + b1);
+      }
+    }
+    for (; r < n; ++r) {
       VecF q[NV];
       for (int v = 0; v < NV; ++v) q[v] = Load(rows.q.data() + r * kD + v * kLanes);
       float* sr = s.data() + (hkv * n + r) * kDecodeTile;
@@ -395,9 +432,7 @@ inline void DotTileHeads(const AttentionParams& p,
           acc1 += q[v + 1] * Load(k + (v + 1) * kLanes);
         }
         if (NV % 2 != 0) acc0 += q[NV - 1] * Load(k + (NV - 1) * kLanes);
-        float x = HorizontalSum(acc0 + acc1) * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
-        sr[j] = x;
+        sr[j] = finish(acc0 + acc1);
       }
     }
   }
@@ -441,7 +476,36 @@ inline void DotTileHeads(const AttentionParams& p,
       }
     }
     float* o = states + hkv * per_head + 2 * n;
-    for (int64_t r = 0; r < n; ++r) {
+    int64_t r = 0;
+    for (; r + 1 < n; r += 2) {  // two rows at a time: each value row loaded once for both
+      const float* sr0 = s.data() + (hkv * n + r) * kDecodeTile;
+      const float* sr1 = sr0 + kDecodeTile;
+      VecF acc0[NV], acc1[NV];
+      for (int v = 0; v < NV; ++v) {
+        acc0[v] = Load(o + r * kD + v * kLanes);
+        acc1[v] = Load(o + (r + 1) * kD + v * kLanes);
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        const float p0 = sr0[j], p1 = sr1[j];
+        if (p0 == 0.0f && p1 == 0.0f) continue;
+        const float* vr = vbase + (j * hk + hkv) * kD;
+        VecF vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = Load(vr + v * kLanes);
+        if (p0 != 0.0f) {
+          const VecF pv = Splat(p0);
+          for (int v = 0; v < NV; ++v) acc0[v] = acc0[v] + pv * vv[v];
+        }
+        if (p1 != 0.0f) {
+          const VecF pv = Splat(p1);
+          for (int v = 0; v < NV; ++v) acc1[v] = acc1[v] + pv * vv[v];
+        }
+      }
+      for (int v = 0; v < NV; ++v) {
+        Store(o + r * kD + v * kLanes, acc0[v]);
+        Store(o + (r + 1) * kD + v * kLanes, acc1[v]);
+      }
+    }
+    for (; r < n; ++r) {
       const float* sr = s.data() + (hkv * n + r) * kDecodeTile;
       VecF acc[NV];
       for (int v = 0; v < NV; ++v) acc[v] = Load(o + r * kD + v * kLanes);
