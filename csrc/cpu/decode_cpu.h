@@ -85,16 +85,6 @@ inline void Prefetch(const void* p, int64_t bytes) {
   for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 2);
 }
 
-// Whether all values of a padded row are finite (x * 0 is 0 unless x is NaN or inf), a vector
-// at a time (the scalar AllFinite is one long dependency chain).
-inline bool FiniteRow(const float* x, int64_t n_padded) {
-  VecF acc = VecF{};
-  for (int64_t e = 0; e < n_padded; e += kLanes) acc += Load(x + e) * 0.0f;
-  bool ok = true;
-  for (int lane = 0; lane < kLanes; ++lane) ok &= acc[lane] == 0.0f;
-  return ok;
-}
-
 inline void Axpy(float alpha, const float* x, float* y, int64_t n_padded) {
   const VecF a = Splat(alpha);
   for (int64_t e = 0; e < n_padded; e += kLanes) Store(y + e, Load(y + e) + a * Load(x + e));
@@ -348,6 +338,76 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
   }
 }
 
+// The scores of R rows (r.. r + R - 1, the same keys) against keys [j0, j0 + nk) of kv head hkv,
+// K rows of NV whole vectors read in place (a key's kv heads contiguous); sr: R rows of
+// kDecodeTile scores. Each key row is loaded once for the R dot products; every row's arithmetic
+// and order are those of one row (two accumulators over alternate vectors, one shuffle sum).
+template <int NV, int R>
+inline void ScoreRows(const AttentionParams& p, const decode_detail::DecodeRows& rows, int64_t r,
+                      int64_t hkv, int64_t hk, int64_t j0, int64_t nk, const float* kbase,
+                      float* sr) {
+  constexpr int64_t kD = NV * kLanes;
+  VecF q[R][NV];
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < NV; ++v) q[i][v] = Load(rows.q.data() + (r + i) * kD + v * kLanes);
+  }
+  const int64_t a = std::max<int64_t>(rows.lo[r] - j0, 0);
+  const int64_t e = std::min<int64_t>(rows.hi[r] - j0, nk);
+  for (int64_t j = a; j < e; ++j) {
+    const float* k = kbase + (j * hk + hkv) * kD;
+    VecF acc[R][2] = {};
+    for (int v = 0; v + 1 < NV; v += 2) {
+      const VecF k0 = Load(k + v * kLanes), k1 = Load(k + (v + 1) * kLanes);
+      for (int i = 0; i < R; ++i) {
+        acc[i][0] += q[i][v] * k0;
+        acc[i][1] += q[i][v + 1] * k1;
+      }
+    }
+    if (NV % 2 != 0) {
+      const VecF kl = Load(k + (NV - 1) * kLanes);
+      for (int i = 0; i < R; ++i) acc[i][0] += q[i][NV - 1] * kl;
+    }
+    for (int i = 0; i < R; ++i) {
+      float x = decode_detail::HorizontalSum(acc[i][0] + acc[i][1]) * p.scale;
+      if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+      sr[i * kDecodeTile + j] = x;
+    }
+  }
+}
+
+// o[R rows][kD] += P V over keys [0, nk): P rows of kDecodeTile (R of them), V rows `v_step`
+// floats apart; each value row loaded once for the R rows; a key whose P is 0 is skipped per row
+// (NaN or inf in a value row no row sees never enters).
+template <int NV, int R>
+inline void AccumulateRows(const float* sr, const float* vbase, int64_t v_step, int64_t nk,
+                           float* o) {
+  constexpr int64_t kD = NV * kLanes;
+  VecF acc[R][NV];
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < NV; ++v) acc[i][v] = Load(o + i * kD + v * kLanes);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    float pr[R];
+    bool any = false;
+    for (int i = 0; i < R; ++i) {
+      pr[i] = sr[i * kDecodeTile + j];
+      any |= pr[i] != 0.0f;
+    }
+    if (!any) continue;
+    const float* vr = vbase + j * v_step;
+    VecF vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = Load(vr + v * kLanes);
+    for (int i = 0; i < R; ++i) {
+      if (pr[i] == 0.0f) continue;
+      const VecF pv = Splat(pr[i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] + pv * vv[v];
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < NV; ++v) Store(o + i * kD + v * kLanes, acc[i][v]);
+  }
+}
+
 // DotTile for float32 rows of NV whole vectors read in place: head by head, the query row and
 // then the output row held in registers over the tile's keys (DotTile loads and stores a key's
 // output row for every key). A head's rows are H * D apart; the whole next tile's K (then V) is
@@ -381,59 +441,16 @@ inline void DotTileHeads(const AttentionParams& p,
         __builtin_prefetch(knext + line * kPrefetchStride, 0, 2);
       }
     }
-    auto finish = [&](VecF acc) {
-      float x = HorizontalSum(acc) * p.scale;
-      if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
-      return x;
-    };
     int64_t r = 0;
     // Two rows with the same keys (GQA rows of one query position) at a time: each key row is
-    // loaded once for both dot products (a row's arithmetic and order are a single row's).
+    // loaded once for both dot products.
     for (; r + 1 < n && rows.lo[r] == rows.lo[r + 1] && rows.hi[r] == rows.hi[r + 1]; r += 2) {
-      VecF q0[NV], q1[NV];
-      for (int v = 0; v < NV; ++v) {
-        q0[v] = Load(rows.q.data() + r * kD + v * kLanes);
-        q1[v] = Load(rows.q.data() + (r + 1) * kD + v * kLanes);
-      }
-      float* sr0 = s.data() + (hkv * n + r) * kDecodeTile;
-      float* sr1 = sr0 + kDecodeTile;
-      const int64_t a = std::max<int64_t>(rows.lo[r] - j0, 0);
-      const int64_t e = std::min<int64_t>(rows.hi[r] - j0, nk);
-      for (int64_t j = a; j < e; ++j) {
-        const float* k = kbase + (j * hk + hkv) * kD;
-        VecF a0 = VecF{}, a1 = VecF{}, b0 = VecF{}, b1 = VecF{};
-        for (int v = 0; v + 1 < NV; v += 2) {
-          const VecF k0 = Load(k + v * kLanes), k1 = Load(k + (v + 1) * kLanes);
-          a0 += q0[v] * k0;
-          a1 += q0[v + 1] * k1;
-          b0 += q1[v] * k0;
-          b1 += q1[v + 1] * k1;
-        }
-        if (NV % 2 != 0) {
-          const VecF kl = Load(k + (NV - 1) * kLanes);
-          a0 += q0[NV - 1] * kl;
-          b0 += q1[NV - 1] * kl;
-        }
-        sr0[j] = finish(a0 + a1);
-        sr1[j] = finish(b0 + b1);
-      }
+      ScoreRows<NV, 2>(p, rows, r, hkv, hk, j0, nk, kbase,
+                        s.data() + (hkv * n + r) * kDecodeTile);
     }
     for (; r < n; ++r) {
-      VecF q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = Load(rows.q.data() + r * kD + v * kLanes);
-      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
-      const int64_t a = std::max<int64_t>(rows.lo[r] - j0, 0);
-      const int64_t e = std::min<int64_t>(rows.hi[r] - j0, nk);
-      for (int64_t j = a; j < e; ++j) {
-        const float* k = kbase + (j * hk + hkv) * kD;
-        VecF acc0 = VecF{}, acc1 = VecF{};
-        for (int v = 0; v + 1 < NV; v += 2) {
-          acc0 += q[v] * Load(k + v * kLanes);
-          acc1 += q[v + 1] * Load(k + (v + 1) * kLanes);
-        }
-        if (NV % 2 != 0) acc0 += q[NV - 1] * Load(k + (NV - 1) * kLanes);
-        sr[j] = finish(acc0 + acc1);
-      }
+      ScoreRows<NV, 1>(p, rows, r, hkv, hk, j0, nk, kbase,
+                        s.data() + (hkv * n + r) * kDecodeTile);
     }
   }
   // the online softmax per row, as in DotTile
@@ -476,47 +493,13 @@ inline void DotTileHeads(const AttentionParams& p,
       }
     }
     float* o = states + hkv * per_head + 2 * n;
+    const float* sh = s.data() + hkv * n * kDecodeTile;
     int64_t r = 0;
     for (; r + 1 < n; r += 2) {  // two rows at a time: each value row loaded once for both
-      const float* sr0 = s.data() + (hkv * n + r) * kDecodeTile;
-      const float* sr1 = sr0 + kDecodeTile;
-      VecF acc0[NV], acc1[NV];
-      for (int v = 0; v < NV; ++v) {
-        acc0[v] = Load(o + r * kD + v * kLanes);
-        acc1[v] = Load(o + (r + 1) * kD + v * kLanes);
-      }
-      for (int64_t j = 0; j < nk; ++j) {
-        const float p0 = sr0[j], p1 = sr1[j];
-        if (p0 == 0.0f && p1 == 0.0f) continue;
-        const float* vr = vbase + (j * hk + hkv) * kD;
-        VecF vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = Load(vr + v * kLanes);
-        if (p0 != 0.0f) {
-          const VecF pv = Splat(p0);
-          for (int v = 0; v < NV; ++v) acc0[v] = acc0[v] + pv * vv[v];
-        }
-        if (p1 != 0.0f) {
-          const VecF pv = Splat(p1);
-          for (int v = 0; v < NV; ++v) acc1[v] = acc1[v] + pv * vv[v];
-        }
-      }
-      for (int v = 0; v < NV; ++v) {
-        Store(o + r * kD + v * kLanes, acc0[v]);
-        Store(o + (r + 1) * kD + v * kLanes, acc1[v]);
-      }
+      AccumulateRows<NV, 2>(sh + r * kDecodeTile, vbase + hkv * kD, hk * kD, nk, o + r * kD);
     }
     for (; r < n; ++r) {
-      const float* sr = s.data() + (hkv * n + r) * kDecodeTile;
-      VecF acc[NV];
-      for (int v = 0; v < NV; ++v) acc[v] = Load(o + r * kD + v * kLanes);
-      for (int64_t j = 0; j < nk; ++j) {
-        const float pr = sr[j];
-        if (pr == 0.0f) continue;
-        const VecF pv = Splat(pr);
-        const float* vr = vbase + (j * hk + hkv) * kD;
-        for (int v = 0; v < NV; ++v) acc[v] = acc[v] + pv * Load(vr + v * kLanes);
-      }
-      for (int v = 0; v < NV; ++v) Store(o + r * kD + v * kLanes, acc[v]);
+      AccumulateRows<NV, 1>(sh + r * kDecodeTile, vbase + hkv * kD, hk * kD, nk, o + r * kD);
     }
   }
 }
@@ -636,7 +619,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
             float* vrow_j = vstage.data() + (hkv * kDecodeTile + j) * dvp;
             LoadRow(p.elem, p.k, token * d, d, krow_j);
             LoadRow(p.elem, p.v, token * dv, dv, vrow_j);
-            if (!FiniteRow(vrow_j, dvp)) bad[hkv] = 1;
+            if (!AllFinite(vrow_j, dvp)) bad[hkv] = 1;
           }
         }
       }
