@@ -2,19 +2,29 @@
 
     python benchmarks/varlen_gpu.py           # the shapes of issue 22 (bf16, 16 heads x 128)
     python benchmarks/varlen_gpu.py --quick   # one shape
+    python benchmarks/varlen_gpu.py --breakdown   # where the Hopper kernels' packed time goes
 
 Side by side in one run, for each (tokens, documents) with equal-length documents, causal,
 forward and forward+backward (`jax.vjp` of the output with a fixed cotangent):
 
-- `varlen`: `attnaux.varlen_attention` (GPU `flash`: cuDNN's ragged layout, out + lse + max);
-- `varlen+lse`: the same with a loss on `aux.lse` too (forward+backward only);
-- `batched`: `attnaux.attention` on the same documents as a batch `[n, T/n]`;
-- `segments`: `attnaux.attention` on one row with segment ids (the path before varlen);
+- `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged
+  layout; out + lse + max);
+- `varlen hopper`: the same call with `_dispatch.GPU_VARLEN_PREFERS_HOPPER` on (attnaux's own
+  kernels, `_hopper_packed`: one packed row, visiting ranges per tile);
+- `varlen+lse`: `varlen` with a loss on `aux.lse` too (forward+backward only);
+- `batched`: `attnaux.attention` on the same documents as a batch `[n, T/n]` (cuDNN);
+- `segments`: `attnaux.attention` on one row with segment ids (on Hopper, attnaux's kernels);
 - `fa3 varlen`: FlashAttention-3's `flash_mha_varlen` from the `dew-flash-attn-cu13` wheel (its
   `dew_flash_attn` package importable; skipped otherwise).
 
-Timing as `benchmarks/gpu_flash.py`: jitted, warm-ups, rounds of back-to-back calls with the
-candidates taking turns, the median of the rounds' means. Prints ms and the ratio of each to FA3.
+`--breakdown` times, per shape, the pieces of the `segments` call on a Hopper GPU: its kernels
+alone (token infos and tables made ahead), the tables alone, and attnaux's Hopper kernels on the
+batched documents (the same kernels without segments), beside cuDNN batched and FA3.
+
+Every candidate is compiled ahead (`jit(...).lower(...).compile()`; `varlen hopper` with the flag
+on and JAX's caches cleared around it). Timing as `benchmarks/gpu_flash.py`: warm-ups, rounds
+of back-to-back calls with the candidates taking turns, the median of the rounds' means. Prints
+ms and FA3's time over attnaux's (both ways of serving varlen).
 """
 
 import argparse
@@ -26,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnaux
+from attnaux import _dispatch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_flash import timed  # noqa: E402
@@ -60,12 +71,31 @@ def _candidates(tokens, docs):
                                      kv_segment_ids=ids, backend="flash")
         return out[0], aux.lse
 
-    fns = {"varlen": varlen, "batched": batched, "segments": segments}
+    fns = {"varlen": varlen, "varlen hopper": varlen, "batched": batched, "segments": segments}
     if dew_flash_attn is not None:
         def fa3(q, k, v):
             return dew_flash_attn.flash_mha_varlen(q, k, v, cu, length, is_causal=True), None
         fns["fa3 varlen"] = fa3
     return fns
+
+
+COLUMNS = ["varlen", "varlen hopper", "varlen+lse", "batched", "segments", "fa3 varlen"]
+
+
+def _compiled(jitted, args, prefer_hopper=False):
+    """`jitted` compiled for `args` with `GPU_VARLEN_PREFERS_HOPPER = prefer_hopper` at trace time
+    (the inner jits' caches cleared around a change, so that no trace of the other setting is
+    reused)."""
+    if prefer_hopper == _dispatch.GPU_VARLEN_PREFERS_HOPPER:
+        return jitted.lower(*args).compile()
+    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER
+    _dispatch.GPU_VARLEN_PREFERS_HOPPER = prefer_hopper
+    jax.clear_caches()
+    try:
+        return jitted.lower(*args).compile()
+    finally:
+        _dispatch.GPU_VARLEN_PREFERS_HOPPER = saved
+        jax.clear_caches()
 
 
 def _forward(fn):
@@ -84,32 +114,91 @@ def _backward(fn, with_lse=False):
     return jax.jit(step)
 
 
+def breakdown(tokens, docs, q, k, v, w, fns):
+    """The pieces of the Hopper kernels' packed call (forward and forward+backward)."""
+    from attnaux import _hopper_mods, _hopper_packed
+    from attnaux._canon import canonicalize, parse_statics
+
+    length = tokens // docs
+    statics = parse_statics(scale=None, causal=True, window=None, softcap=None, dropout_rate=0.0)
+    ids = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), length)[None]
+
+    def problem(q, k, v, **extra):
+        return canonicalize(q, k, v, statics, **extra)
+
+    def hopper_batched(q, k, v):
+        b = lambda x: x.reshape(docs, length, *x.shape[1:])  # noqa: E731
+        p = problem(b(q), b(k), b(v))
+        out, lse, _ = _hopper_mods.run(p.arrays, p.options, None, (), None)
+        return out.reshape(q.shape), lse
+
+    p = problem(q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids)
+    infos = _hopper_packed.pad_infos(*_hopper_packed.token_infos(p.arrays, p.options))
+    g = _hopper_packed.geometry(p.options, tokens, tokens)
+    config = _hopper_packed.hopper.default_config(q.shape[-1])
+    st = _hopper_packed._Static(p.options.scale, None, g, config)
+
+    def tables(infos):
+        return _hopper_packed.tables(*infos, g, config.block_kv)
+
+    tabs = jax.jit(tables)(infos)
+
+    def kernels(q, k, v):
+        out, lse, _ = _hopper_packed._call(st, q[None], k[None], v[None], infos, tabs)
+        return out[0], lse
+
+    pieces = {"hopper batched": hopper_batched, "segments kernels": kernels,
+              "segments": fns["segments"], "batched": fns["batched"]}
+    if "fa3 varlen" in fns:
+        pieces["fa3 varlen"] = fns["fa3 varlen"]
+    fwd = timed({n: _compiled(_forward(f), (q, k, v)) for n, f in pieces.items()}, (q, k, v))
+    fwd["tables"] = timed({"tables": _compiled(jax.jit(tables), (infos,))}, (infos,))["tables"]
+    bwd = timed({n: _compiled(_backward(f), (q, k, v, w)) for n, f in pieces.items()},
+                (q, k, v, w))
+    names = [*pieces, "tables"]
+    for name, times in (("fwd", fwd), ("fwd+bwd", bwd)):
+        cells = [f"{times[n] * 1e3:.3f}" if n in times else "-" for n in names]
+        print(f"| {tokens} | {docs} | {name} | " + " | ".join(cells) + " |")
+    return names
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
+    if args.breakdown:
+        print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+        for tokens, docs in SHAPES[:1] if args.quick else SHAPES:
+            key = jax.random.key(0)
+            q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (tokens, HEADS, DIM),
+                                            jnp.bfloat16) for i in range(4))
+            names = breakdown(tokens, docs, q, k, v, w.astype(jnp.float32),
+                              _candidates(tokens, docs))
+        print("| tokens | docs | pass | " + " | ".join(names) + " | (ms, header last)")
+        return
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"FA3: {'yes' if dew_flash_attn is not None else 'not installed'}")
-    print("| tokens | docs | pass | " + " | ".join(
-        ["varlen", "varlen+lse", "batched", "segments", "fa3 varlen"]) + " | varlen / fa3 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | docs | pass | " + " | ".join(COLUMNS) + " | fa3 / varlen | fa3 / hopper |")
+    print("|---" * (len(COLUMNS) + 5) + "|")
     for tokens, docs in SHAPES[:1] if args.quick else SHAPES:
         key = jax.random.key(0)
         q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (tokens, HEADS, DIM),
                                         jnp.bfloat16) for i in range(4))
         w = w.astype(jnp.float32)
         fns = _candidates(tokens, docs)
-        fwd = timed({n: _forward(f) for n, f in fns.items()}, (q, k, v))
-        bwd_fns = {n: _backward(f) for n, f in fns.items()}
-        bwd_fns["varlen+lse"] = _backward(fns["varlen"], with_lse=True)
+        fwd = timed({n: _compiled(_forward(f), (q, k, v), n == "varlen hopper")
+                     for n, f in fns.items()}, (q, k, v))
+        bwd_fns = {n: _compiled(_backward(f), (q, k, v, w), n == "varlen hopper")
+                   for n, f in fns.items()}
+        bwd_fns["varlen+lse"] = _compiled(_backward(fns["varlen"], with_lse=True), (q, k, v, w))
         bwd = timed(bwd_fns, (q, k, v, w))
         for name, times in (("fwd", fwd), ("fwd+bwd", bwd)):
-            cells = [f"{times[n] * 1e3:.3f}" if n in times else "-"
-                     for n in ("varlen", "varlen+lse", "batched", "segments", "fa3 varlen")]
-            ratio = (f"{times['fa3 varlen'] / times['varlen']:.2f}x"
-                     if "fa3 varlen" in times else "-")
-            print(f"| {tokens} | {docs} | {name} | " + " | ".join(cells) + f" | {ratio} |")
-    print("(ms, median of rounds; varlen / fa3 = FA3 time / varlen time: > 1 means faster)")
+            cells = [f"{times[n] * 1e3:.3f}" if n in times else "-" for n in COLUMNS]
+            ratios = [f"{times['fa3 varlen'] / times[n]:.2f}x" if "fa3 varlen" in times else "-"
+                      for n in ("varlen", "varlen hopper")]
+            print(f"| {tokens} | {docs} | {name} | " + " | ".join(cells + ratios) + " |")
+    print("(ms, median of rounds; fa3 / x = FA3 time / x's time: > 1 means x is faster)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attnaux as ax
-from attnaux import introspect
+from attnaux import _dispatch, introspect
 
 GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU (cuDNN's packed layout)")
@@ -236,15 +236,31 @@ def test_explain_says_how_packed_input_is_served():
     e = ax.explain(q, k, v, cu_seqlens_q=_cu(Q_LENS), cu_seqlens_kv=_cu(KV_LENS),
                    max_seqlen_q=70, max_seqlen_kv=66, causal=True, backend="flash")
     assert e.backend == "flash"
-    expected = "ragged" if GPU else "padded"
-    assert expected in e.packed
+    expected = ("Hopper", "ragged") if GPU else ("padded",)
+    assert any(word in e.packed for word in expected), e.packed
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: cuDNN's packed (THD) layout
+# GPU: packed tokens read in place (attnaux's Hopper kernels, cuDNN's packed (THD) layout)
 # ------------------------------------------------------------------------------------------------
 GPU_Q_LENS = (130, 0, 1, 257, 64, 33)
 GPU_KV_LENS = (130, 5, 1, 257, 64, 0)
+ON_HOPPER = GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+@pytest.fixture(params=["hopper", "ragged"])
+def packed_path(request):
+    """The way GPU `flash` reads packed tokens: attnaux's Hopper kernels or cuDNN's ragged
+    layout (`_dispatch.GPU_VARLEN_PREFERS_HOPPER`, read at trace time: JAX's caches are cleared
+    around the change)."""
+    if request.param == "hopper" and not ON_HOPPER:
+        pytest.skip("needs a Hopper GPU")
+    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER
+    _dispatch.GPU_VARLEN_PREFERS_HOPPER = request.param == "hopper"
+    jax.clear_caches()
+    yield "Hopper" if request.param == "hopper" else "ragged"
+    _dispatch.GPU_VARLEN_PREFERS_HOPPER = saved
+    jax.clear_caches()
 
 
 @gpu_only
@@ -252,7 +268,7 @@ GPU_KV_LENS = (130, 5, 1, 257, 64, 0)
                                      dict(window=(32, 0)), dict(causal=True, softcap=20.0)],
                          ids=str)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_gpu_ragged_parity(options, heads):
+def test_gpu_ragged_parity(options, heads, packed_path):
     q, k, v = _arrays(GPU_Q_LENS, GPU_KV_LENS, heads=heads, dims=(64, 64), extra=(7, 9),
                       dtype=jnp.bfloat16)
     nq, nk = sum(GPU_Q_LENS), sum(GPU_KV_LENS)
@@ -260,7 +276,7 @@ def test_gpu_ragged_parity(options, heads):
     cu_q, cu_kv = _cu(GPU_Q_LENS), _cu(GPU_KV_LENS)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
                 backend="flash", **options)
-    assert "ragged" in ax.explain(q, k, v, **args).packed
+    assert packed_path in ax.explain(q, k, v, **args).packed
     fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
     out, aux = fn(q, k, v)
     clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))

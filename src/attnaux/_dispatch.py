@@ -17,6 +17,7 @@ import numpy as np
 from . import (
     _flash_cpu,
     _flash_cudnn,
+    _hopper_packed,
     _probs_cpu,
     _probs_cuda,
     _reference,
@@ -54,6 +55,22 @@ IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
 }
 """The compiled implementations, by (backend, platform). `reference` (pure JAX) runs anywhere."""
 REFERENCE = Implementation(_reference, "pure JAX (XLA)", "attnaux")
+HOPPER_PACKED = Implementation(
+    _hopper_packed, "attnaux's Hopper kernels (Pallas Mosaic GPU), packed sequences", "attnaux"
+)
+GPU_PACKED_ON_HOPPER = True
+"""Whether GPU `flash` serves segment ids on attnaux's Hopper kernels (`_hopper_packed`: per-tile
+visiting ranges from the segments, no mask materialised) where they can, instead of cuDNN with
+the segments as a dense `[B, 1, q_seq, kv_seq]` mask. Measured on an H100 with
+`benchmarks/varlen_gpu.py` on an H200 (docs/performance.md, "Packed sequences"): at T = 16384
+with 16 causal documents, 16 heads x 128, bf16, the forward took 0.25 ms on the Hopper kernels,
+where the dense mask had measured 5.0 ms on an H100 (issue 22)."""
+GPU_VARLEN_PREFERS_HOPPER = False
+"""Whether `varlen_attention` on GPU `flash` takes attnaux's Hopper kernels before cuDNN's ragged
+layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H200, causal, 16 heads x 128, bf16):
+cuDNN's ragged layout was 1.2-1.5x faster forward and 1.2-1.3x forward+backward (FA3 / ragged
+0.72-0.80x forward, 0.77-0.83x forward+backward; FA3 / Hopper kernels 0.49-0.67x, 0.61-0.66x).
+The Hopper kernels serve what the ragged layout cannot."""
 SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
 """Whether a backend can fill `aux.probs` (on every platform)."""
 SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
@@ -304,14 +321,21 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
         if why_not is not None:
             raise ValueError(f"backend={chosen!r} cannot serve this call: {why_not}.")
     packed = ""
-    if problem.arrays.q_segment_ids is not None:
-        packed = (
-            "segment ids: the CPU kernels skip every tile whose keys lie in other segments"
-            if platform == "cpu" else
-            "segment ids reach the GPU kernels as a dense [B, 1, q_seq, kv_seq] mask; "
-            "attnaux.varlen_attention reads packed documents in place (cuDNN's ragged layout)"
-        )
     impl = implementation(chosen, platform)
+    if problem.arrays.q_segment_ids is not None:
+        hopper_no = (_hopper_packed.unavailable(problem, platform) if GPU_PACKED_ON_HOPPER
+                     else "GPU_PACKED_ON_HOPPER is off")
+        if platform == "cpu":
+            packed = "segment ids: the CPU kernels skip every tile whose keys lie in other segments"
+        elif chosen == "flash" and hopper_no is None:
+            impl = HOPPER_PACKED
+            packed = ("segment ids: attnaux's Hopper kernels visit only the tiles whose segments "
+                      "meet (visiting ranges from per-tile segment and position bounds)")
+            reasons["flash"] += "; packed sequences on attnaux's Hopper kernels"
+        else:
+            packed = ("segment ids reach the GPU kernels as a dense [B, 1, q_seq, kv_seq] mask"
+                      + (f" (attnaux's Hopper kernels: {hopper_no})" if chosen == "flash"
+                         else ""))
     dropout_impl = impl.dropout_impl if problem.has_dropout else "attnaux"
     return Choice(
         Explanation(chosen, impl.description, platform, reasons, dropout_impl, packed), impl

@@ -46,19 +46,45 @@ def _pallas():
     return pl, plgpu
 
 
+def device_unavailable(q, k, v) -> str | None:
+    """Why the Hopper kernels cannot take these arrays on this device (None: they can)."""
+    devices = jax.devices()
+    capability = getattr(devices[0], "compute_capability", "") if devices else ""
+    if not str(capability).startswith("9."):
+        return (f"attnaux's own kernels need a Hopper GPU (compute capability 9.x); this "
+                f"device has {capability or 'none'}")
+    try:
+        _pallas()
+    except ImportError as error:
+        return f"Pallas Mosaic GPU does not import ({error})"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"the Hopper kernels take bfloat16 or float16 q, k, v (got {q.dtype}, {k.dtype}, "
+                f"{v.dtype})")
+    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
+        return (f"the Hopper kernels take head dims 64 and 128, equal for q/k and v (got "
+                f"{q.shape[-1]} and {v.shape[-1]})")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """The static masking rules of a call, in the padded problem's coordinates.
 
     `offset`: key position aligned with query position 0 (0 top-left; kv_len - q_len
     bottom-right); causal means kv <= q + offset; a window (left, right) means
-    q + offset - left <= kv <= q + offset + right. `kv_len`: keys at or beyond are padding."""
+    q + offset - left <= kv <= q + offset + right. `kv_len`: keys at or beyond are padding.
+
+    `packed`: positions, segments and padding come per token as data instead (`infos` of the
+    kernels, `_packed_visible`): the rules above hold between a row's *aligned position* and a
+    key's position, within a segment; `offset`, `kv_len` and `q_len` are then unused, and the
+    block tables alone bound the tiles visited."""
 
     causal: bool
     window: tuple[int, int] | None
     offset: int
     kv_len: int
     q_len: int
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +114,8 @@ def _ranges(g: Geometry, q_lo, q_hi, block_kv: int, n_kv_tiles: int):
     """Key tiles `[lo, hi)` that rows `[q_lo, q_hi)` can see, and `[full_lo, full_hi)` inside it
     whose every pair is visible to every row (no mask needed). int32 scalars in the kernel."""
     i32 = jnp.int32
+    if g.packed:  # the block tables bound the tiles
+        return i32(0), i32(n_kv_tiles), i32(0), i32(n_kv_tiles)
     hi_pos = jnp.asarray(g.kv_len, i32)  # one past the last visible key
     lo_pos = jnp.asarray(0, i32)
     full_lo_pos = jnp.asarray(0, i32)  # first key seen by every row
@@ -113,6 +141,8 @@ def _q_ranges(g: Geometry, k_lo, k_hi, block_q: int, n_q_tiles: int):
     """Query tiles `[lo, hi)` whose rows see some key of `[k_lo, k_hi)`, and `[full_lo,
     full_hi)` inside it whose rows see every key of it (the transpose of `_ranges`)."""
     i32 = jnp.int32
+    if g.packed:
+        return i32(0), i32(n_q_tiles), i32(0), i32(n_q_tiles)
     lo_pos = jnp.asarray(0, i32)
     hi_pos = jnp.asarray(g.q_len, i32)
     full_lo_pos = jnp.asarray(0, i32)
@@ -217,6 +247,23 @@ def _geometry_visible(g: Geometry, q_pos, kv_pos):
     return visible
 
 
+PAD_ROW = -(2**31)
+"""The aligned position of a query row that is padding (`infos`): it sees no key."""
+
+
+def _packed_visible(g: Geometry, q_seg, q_at, kv_seg, kv_at):
+    """Which pairs of a tile are visible from per-token data: the same segment, a key that is
+    not padding (position >= 0), a row that is not padding (`PAD_ROW`), and the causal and
+    window rules between the row's aligned position and the key's position."""
+    visible = (q_seg == kv_seg) & (kv_at >= 0) & (q_at != PAD_ROW)
+    if g.causal:
+        visible &= kv_at <= q_at
+    if g.window is not None:
+        left, right = g.window
+        visible &= (kv_at >= q_at - left) & (kv_at <= q_at + right)
+    return visible
+
+
 _INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
             "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
 
@@ -309,13 +356,18 @@ def default_config(head_dim: int) -> Config:
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config"))
 def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, tile_fn,
-            config: Config, tables=None):
+            config: Config, tables=None, infos=None):
     """`(out, lse, max)` for padded `q [B, Sq, Hq, D]`, `k`/`v [B, Skv, Hkv, D]` (Sq a multiple
     of 128, Skv of `config.block_kv`); `rows [B, Hq, n_rows, Sq]`, `cols [B, Hq, n_cols, Skv]`
     float32 (n = 0: shape with 0). lse/max `[B, Hq, Sq]` float32, natural log. `tables`: None
     or the block tables of `_hopper_mods.range_tables` (int32 `[Bt, Ht, blocks, 4]`, forward,
-    dQ, dK/dV): each warpgroup visits only its row's range of them."""
+    dQ, dK/dV): each warpgroup visits only its row's range of them. `infos`: for a `packed`
+    geometry, `(q_info [B, 2, Sq], kv_info [B, 2, Skv])` int32, each token's segment and
+    position (the row's aligned position; `PAD_ROW` / -1 for padding), with `tables` built
+    from them (`_hopper_packed.tables`)."""
     pl, plgpu = _pallas()
+    _check_packed(geometry, tile_fn, tables, infos)
+    packed = geometry.packed
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -345,6 +397,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         at += bool(n_cols)
         table_ref = refs[at] if table is not None else None
         at += table is not None
+        qinfo_ref, kvinfo_ref = refs[at:at + 2] if packed else (None, None)
+        at += 2 * packed
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
         k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
@@ -384,6 +438,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                                optimized=False),
                     (block_q, block_kv), [0])
                 for r in range(n_rows))
+            q_info = tuple(plgpu.load(qinfo_ref.at[b, c, pl.ds(q0, block_q)], layout=row_layout,
+                                      optimized=False) for c in range(2)) if packed else ()
             plgpu.barrier_wait(q_ready.at[wg])
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
             denom = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
@@ -423,7 +479,19 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                                        layout=col_layout, optimized=False),
                             (block_q, block_kv), [1])
                         for c in range(n_cols))
-                    if plain:  # only the masks: keep q.k units
+                    if packed:  # the rules from the tokens' data, on the tiles that need them
+                        x = s if plain else mod(s, q_pos, kv_pos, b, h, row_vals, cols_v,
+                                                masked=False)[0]
+                        if masked:
+                            kv_info = tuple(
+                                plgpu.load(kvinfo_ref.at[b, c, pl.ds(step * block_kv, block_kv)],
+                                           layout=col_layout, optimized=False) for c in range(2))
+                            vis = _packed_visible(
+                                geometry, *(lax.broadcast_in_dim(x_, s.shape, [0])
+                                            for x_ in q_info),
+                                *(lax.broadcast_in_dim(x_, s.shape, [1]) for x_ in kv_info))
+                            x = jnp.where(vis, x, -jnp.inf)
+                    elif plain:  # only the masks: keep q.k units
                         x = jnp.where(_geometry_visible(geometry, q_pos, kv_pos), s, -jnp.inf)
                     else:
                         x, _ = mod(s, q_pos, kv_pos, b, h, row_vals, cols_v, masked=masked)
@@ -504,7 +572,14 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         scratch_types=(scratch, barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, *([rows] if n_rows else []), *([cols] if n_cols else []),
-      *([table] if table is not None else []))
+      *([table] if table is not None else []), *(infos if packed else ()))
+
+
+def _check_packed(geometry: Geometry, tile_fn, tables, infos) -> None:
+    if geometry.packed != (infos is not None):
+        raise ValueError("`infos` must be given exactly when the geometry is packed")
+    if geometry.packed and (tables is None or tile_fn is not None):
+        raise ValueError("a packed geometry needs its block tables and takes no tile function")
 
 
 def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
@@ -539,12 +614,14 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config"))
 def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap,
-             geometry: Geometry, tile_fn, config: Config, tables=None):
+             geometry: Geometry, tile_fn, config: Config, tables=None, infos=None):
     """`(dq, dk, dv, drows, dcols)` of `forward` (same padded shapes), given the cotangents of
     out and lse. dS = P * (dP - (D - dlse)), D = rowsum(dO * O), in two kernels: dK/dV (a CTA
     per 128 keys of a kv head, over the query tiles of every query head of its group) and dQ (a
-    CTA per 128 query rows, over the key tiles)."""
+    CTA per 128 query rows, over the key tiles). `tables` and `infos` as for `forward`."""
     pl, plgpu = _pallas()
+    _check_packed(geometry, tile_fn, tables, infos)
+    packed = geometry.packed
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -574,9 +651,27 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             plgpu.load(ref.at[b, h, r, pl.ds(q0, bq)], layout=layout, optimized=False),
             shape, [dim_])
 
-    def scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b, masked):
-        """P of a tile (lse_b broadcast), the modified scores' pullback (None when plain)."""
-        if plain:
+    def info_vectors(ref, b, start, layout):
+        """A token-info ref's segment and position over `[start, start + 64)`."""
+        return tuple(plgpu.load(ref.at[b, c, pl.ds(start, bq)], layout=layout, optimized=False)
+                     for c in range(2))
+
+    def packed_visible(rows_info, keys_info, rows_dim, shape):
+        """`_packed_visible` of a tile whose rows lie along `rows_dim`."""
+        def wide(vectors, dim_):
+            return tuple(lax.broadcast_in_dim(x, shape, [dim_]) for x in vectors)
+        return _packed_visible(geometry, *wide(rows_info, rows_dim),
+                               *wide(keys_info, 1 - rows_dim))
+
+    def scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b, masked, vis=None):
+        """P of a tile (lse_b broadcast), the modified scores' pullback (None when plain).
+        `vis`: a packed geometry's visibility on a masked tile."""
+        if packed:
+            x, vjp = (s, None) if plain else _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals,
+                                                         col_vals, False)
+            if vis is not None:
+                x = jnp.where(vis, x, -jnp.inf)
+        elif plain:
             x = s if not masked else jnp.where(_geometry_visible(geometry, q_pos, kv_pos), s,
                                                -jnp.inf)
             vjp = None
@@ -596,6 +691,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += bool(n_cols)
         table_ref = refs[i] if dkv_table is not None else None
         i += dkv_table is not None
+        qinfo_ref, kvinfo_ref = refs[i:i + 2] if packed else (None, None)
+        i += 2 * packed
         dk_ref, dv_ref = refs[i:i + 2]
         i += 2
         dcols_ref = refs[i] if n_cols else None
@@ -629,6 +726,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             # the transposed tile: keys down (axis 0), queries across (axis 1)
             kv_pos = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma) + k0
             q_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma)
+            own_keys = info_vectors(kvinfo_ref, b, k0, wgmma.reduce(1)) if packed else None
             plgpu.barrier_wait(k_ready.at[wg])
             plgpu.barrier_wait(v_ready.at[wg])
             zeros = plgpu.layout_cast(jnp.zeros((bk, dim), jnp.float32), wgmma)
@@ -671,8 +769,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                     q_pos = q_iota + q0
                     row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(0),
                                                (bk, bq), 1) for r in range(n_rows))
+                    vis = None
+                    if packed and masked:
+                        rows_info = info_vectors(qinfo_ref, b, q0, wgmma.reduce(0))
+                        vis = packed_visible(rows_info, own_keys, 1, (bk, bq))
                     p, vjp = scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b,
-                                              masked)
+                                              masked, vis)
                     plgpu.barrier_wait(do_ready.at[slot])
 
                     def dv_dp(refs):
@@ -757,8 +859,9 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     if n_cols:
         dkv_out.append(jax.ShapeDtypeStruct(cols.shape, jnp.float32))
     extra = [*([rows] if n_rows else []), *([cols] if n_cols else [])]
-    dkv_extra = extra + ([dkv_table] if dkv_table is not None else [])
-    dq_extra = extra + ([dq_table] if dq_table is not None else [])
+    info_args = list(infos) if packed else []
+    dkv_extra = extra + ([dkv_table] if dkv_table is not None else []) + info_args
+    dq_extra = extra + ([dq_table] if dq_table is not None else []) + info_args
     dkv = plgpu.kernel(
         dkv_kernel,
         out_type=tuple(dkv_out),
@@ -784,6 +887,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += bool(n_cols)
         table_ref = refs[i] if dq_table is not None else None
         i += dq_table is not None
+        qinfo_ref, kvinfo_ref = refs[i:i + 2] if packed else (None, None)
+        i += 2 * packed
         dq_ref = refs[i]
         i += 1
         drows_ref = refs[i] if n_rows else None
@@ -820,6 +925,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma)
             row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(1), (bq, bk), 0)
                              for r in range(n_rows))
+            own_rows = info_vectors(qinfo_ref, b, q0, wgmma.reduce(1)) if packed else None
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(do_ready.at[wg])
             plgpu.barrier_wait(st_ready.at[wg])
@@ -851,8 +957,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                 kv_pos = kv_iota + step * bk
                 col_vals = tuple(row_input(cols_ref, b, h, c_, step * bk, wgmma.reduce(0),
                                            (bq, bk), 1) for c_ in range(n_cols))
+                vis = None
+                if packed and masked:
+                    keys_info = info_vectors(kvinfo_ref, b, step * bk, wgmma.reduce(0))
+                    vis = packed_visible(own_rows, keys_info, 0, (bq, bk))
                 p, vjp = scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b,
-                                          masked)
+                                          masked, vis)
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_(acc_ref):

@@ -357,22 +357,9 @@ def range_tables(tiles: np.ndarray, n_q64: int, n_k64: int, block_kv: int, group
 def unavailable(problem) -> str | None:
     """Why the Hopper kernels cannot serve this canonical problem (None: they can)."""
     arrays, options = problem.arrays, problem.options
-    devices = jax.devices()
-    capability = getattr(devices[0], "compute_capability", "") if devices else ""
-    if not str(capability).startswith("9."):
-        return (f"attnaux's own kernels need a Hopper GPU (compute capability 9.x); this "
-                f"device has {capability or 'none'}")
-    try:
-        hopper._pallas()
-    except ImportError as error:
-        return f"Pallas Mosaic GPU does not import ({error})"
-    q, k, v = arrays.q, arrays.k, arrays.v
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"the Hopper kernels take bfloat16 or float16 q, k, v (got {q.dtype}, {k.dtype}, "
-                f"{v.dtype})")
-    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
-        return (f"the Hopper kernels take head dims 64 and 128, equal for q/k and v (got "
-                f"{q.shape[-1]} and {v.shape[-1]})")
+    why = hopper.device_unavailable(arrays.q, arrays.k, arrays.v)
+    if why is not None:
+        return why
     if options.has_seqlens:
         return "q_seqlens/kv_seqlens are not served by the Hopper kernels yet"
     if arrays.q_segment_ids is not None or arrays.kv_segment_ids is not None:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _flash_cudnn
+from . import _dispatch, _flash_cudnn, _hopper_packed
 from ._aux import AttnAux
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
@@ -124,9 +124,10 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen
 # ------------------------------------------------------------------------------------------------
 def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
           return_probs, backend):
-    """`(problem, choice, ragged, explanation, (q packing, kv packing))`: the padded problem, the
-    dispatch's choice for it, whether cuDNN's packed layout serves the call, and the
-    explanation with the way packed input is served (`packed`)."""
+    """`(problem, choice, mode, explanation, (q packing, kv packing))`: the padded problem, the
+    dispatch's choice for it, how the packed tokens are served (`"hopper"`: in place on
+    attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"padded"`), and the
+    explanation with that way (`packed`)."""
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
     problem = canonicalize(
@@ -135,26 +136,43 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
         sink=sink, key=key,
     )
     choice = choose(problem, backend, return_probs)
-    ragged_no = "only the GPU `flash` backend reads packed sequences in place"
-    if choice.implementation.module is _flash_cudnn and not return_probs:
+    ragged_no = hopper_no = "only the GPU `flash` backend reads packed sequences in place"
+    gpu_flash = choice.implementation.module is _flash_cudnn and not return_probs
+    if gpu_flash:
+        hopper_no = (_hopper_packed.varlen_unavailable(q, k, v, problem.options)
+                     if _dispatch.GPU_PACKED_ON_HOPPER else "GPU_PACKED_ON_HOPPER is off")
         ragged_no = _flash_cudnn.ragged_unavailable(
             problem.options, q.dtype, cu_q.shape[0] - 1, q.shape[0], k.shape[0], q.shape[1],
             k.shape[1], q.shape[2], v.shape[2], max_seqlen_q, max_seqlen_kv, "gpu",
         )
-    if ragged_no is None:
+    if hopper_no is None and (_dispatch.GPU_VARLEN_PREFERS_HOPPER or ragged_no is not None):
+        mode = "hopper"
+        how = ("in place on attnaux's Hopper kernels: one packed row, visiting only the tiles "
+               "whose sequences meet; nothing is padded")
+        if ragged_no is not None:
+            how += f" (cuDNN's ragged layout: {ragged_no})"
+        choice = choice._replace(implementation=_dispatch.HOPPER_PACKED)
+    elif ragged_no is None:
+        mode = "ragged"
         how = "in place through cuDNN's ragged (THD) layout: nothing is padded"
+        if gpu_flash:
+            how += (" (attnaux's Hopper kernels: " + (
+                hopper_no or "measured slower here, GPU_VARLEN_PREFERS_HOPPER") + ")")
     else:
+        mode = "padded"
         how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
                f"the padding; the copies are O(tokens)): {ragged_no}")
-    explanation = dataclasses.replace(choice.explanation, packed=how)
-    return problem, choice, ragged_no is None, explanation, (pq, pk)
+    explanation = dataclasses.replace(
+        choice.explanation, packed=how,
+        implementation=choice.implementation.description)
+    return problem, choice, mode, explanation, (pq, pk)
 
 
 @functools.partial(jax.jit, static_argnames=("statics", "max_seqlen_q", "max_seqlen_kv",
                                              "return_probs", "backend"))
 def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
                 return_probs, backend):
-    problem, choice, ragged, explanation, (pq, pk) = _plan(
+    problem, choice, mode, explanation, (pq, pk) = _plan(
         q, k, v, cu_q, cu_kv, sink, key, statics=statics, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, return_probs=return_probs, backend=backend,
     )
@@ -169,7 +187,11 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
         if return_probs:
             probs = jnp.zeros((n, q.shape[1], max_seqlen_q, max_seqlen_kv), q.dtype)
     else:
-        if ragged:
+        if mode == "hopper":
+            out, lse_t, max_t = _hopper_packed.varlen(
+                q, k, v, pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
+                pk.lengths, options, sink)
+        elif mode == "ragged":
             vis = _flash_cudnn._visible_rows(
                 _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), pq.lengths,
                 pk.lengths, max_seqlen_q)
@@ -185,9 +207,11 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             )
             out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
-        lse = jnp.where(hidden, -jnp.inf, lse_pad[pq.seq, :, pq.pos].T)
-        row_max = jnp.where(hidden, -jnp.inf, max_pad[pq.seq, :, pq.pos].T)
-        if ragged and sink is not None:  # the padded calls added it already
+        if mode != "hopper":
+            lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
+        lse = jnp.where(hidden, -jnp.inf, lse_t)
+        row_max = jnp.where(hidden, -jnp.inf, max_t)
+        if mode == "ragged" and sink is not None:  # the other calls added it already
             out, lse_sink = _flash_cudnn._with_sink(out[None], lse[None], sink)
             out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])
     aux = AttnAux(

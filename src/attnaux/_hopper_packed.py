@@ -1,0 +1,299 @@
+"""Packed sequences on attnaux's Hopper kernels (`_flash_hopper.py`): segment ids and per-row
+lengths in `attnaux.attention`, and the sequences of `attnaux.varlen_attention`, read in place.
+
+The kernels see one long row of tokens per batch entry. What decides visibility comes per token
+as data (`infos`, int32 `[B, 2, S]` per side):
+
+- a **segment**: a row sees only keys of its own segment (segment ids; the sequence index of
+  `varlen_attention`);
+- a **position**: the key's position, and the row's *aligned* position (its position plus the
+  bottom-right offset of its sequence), between which causal and window rules hold
+  (`_flash_hopper._packed_visible`); padding is a key position of -1 and a row position of
+  `PAD_ROW`.
+
+Before the kernels, one XLA pass over per-tile summaries (min and max of segment and position
+over each 64-token tile) classifies every (query tile, key tile) pair: hidden, partial or whole
+(every pair visible), and turns each tile row into the kernels' visiting ranges (`tables`). A
+tile wholly inside one document is computed without a mask, a pair of tiles from different
+documents is never visited, only tiles on a boundary pay for the per-token rules. This is the
+tile skipping of FlashAttention's varlen kernels without a per-sequence launch grid: the work is
+that of the documents, and the number of sequences is never static.
+
+Tokens that no sequence covers are zeroed before the kernels (where the call can have them:
+lengths, `varlen_attention`), so that NaN stored in padding never meets a zero probability or
+score gradient in a product.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _flash_hopper as hopper
+from ._canon import Canonical, Options, Problem
+
+TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
+_PAD_MULTIPLE = 128  # sequence lengths the kernels take (two warpgroups of 64 rows)
+_UNBOUNDED = 2**30  # a window side without a bound (positions stay far below it)
+_MAX_TOKENS = 2**30
+PAD_ROW = hopper.PAD_ROW
+
+
+def window_of(options: Options):
+    if options.window_left < 0 and options.window_right < 0:
+        return None
+    return (options.window_left if options.window_left >= 0 else _UNBOUNDED,
+            options.window_right if options.window_right >= 0 else _UNBOUNDED)
+
+
+def geometry(options: Options, q_seq: int, kv_seq: int) -> hopper.Geometry:
+    return hopper.Geometry(options.causal != 0, window_of(options), 0, kv_seq, q_seq,
+                           packed=True)
+
+
+# ---- availability
+def _options_unavailable(options: Options, has_bias_or_mask: bool, block_call: bool):
+    if options.dropout_rate > 0:
+        return "the Hopper kernels draw no dropout mask"
+    if has_bias_or_mask:
+        return "the Hopper kernels take no bias or boolean mask"
+    if block_call:
+        return "a block of context parallelism (12-word block state) is not served here"
+    return None
+
+
+def unavailable(problem: Problem, platform: str = "gpu") -> str | None:
+    """Why the Hopper kernels cannot serve this call's packed sequences (None: they can)."""
+    a, options = problem.arrays, problem.options
+    if platform != "gpu":
+        return f"attnaux's Hopper kernels run on GPUs, not on {platform!r}"
+    why = hopper.device_unavailable(a.q, a.k, a.v)
+    if why is None:
+        block_call = a.rng_state is not None and a.rng_state.shape == (12,)
+        why = _options_unavailable(options, a.bias is not None or a.mask is not None, block_call)
+    if why is None and max(a.q.shape[1], a.k.shape[1]) >= _MAX_TOKENS:
+        why = f"sequences of {_MAX_TOKENS} tokens or more"
+    return why
+
+
+def varlen_unavailable(q, k, v, options: Options) -> str | None:
+    """Why `varlen_attention`'s packed tokens cannot go to the Hopper kernels (None: they can)."""
+    why = hopper.device_unavailable(q, k, v) or _options_unavailable(options, False, False)
+    if why is None and max(q.shape[0], k.shape[0]) >= _MAX_TOKENS:
+        why = f"sequences of {_MAX_TOKENS} tokens or more"
+    return why
+
+
+# ---- the block tables, from per-tile summaries
+def _summary(info, valid):
+    """Per 64-token tile of `info [B, 2, S]`: min/max segment and position over the valid
+    tokens, whether any and whether all are valid."""
+    bsz, _, seq = info.shape
+    n = seq // TILE
+    seg = info[:, 0].reshape(bsz, n, TILE)
+    pos = info[:, 1].reshape(bsz, n, TILE)
+    ok = valid.reshape(bsz, n, TILE)
+    big, small = jnp.int32(2**31 - 1), jnp.int32(-(2**31))
+    return dict(
+        seg_min=jnp.where(ok, seg, big).min(-1), seg_max=jnp.where(ok, seg, small).max(-1),
+        pos_min=jnp.where(ok, pos, big).min(-1), pos_max=jnp.where(ok, pos, small).max(-1),
+        some=ok.any(-1), every=ok.all(-1))
+
+
+def classify(q_info, kv_info, g: hopper.Geometry):
+    """int32 `[B, q tiles, key tiles]` of 64 x 64 tiles: 0 no visible pair, 2 every pair
+    visible, 1 otherwise (conservative: 1 may hold no visible pair)."""
+    qs = {n: x[:, :, None] for n, x in _summary(q_info, q_info[:, 1] != PAD_ROW).items()}
+    ks = {n: x[:, None, :] for n, x in _summary(kv_info, kv_info[:, 1] >= 0).items()}
+    some = (qs["some"] & ks["some"] & (qs["seg_min"] <= ks["seg_max"])
+            & (ks["seg_min"] <= qs["seg_max"]))
+    whole = (qs["every"] & ks["every"] & (qs["seg_min"] == qs["seg_max"])
+             & (ks["seg_min"] == ks["seg_max"]) & (qs["seg_min"] == ks["seg_min"]))
+    if g.causal:
+        some &= ks["pos_min"] <= qs["pos_max"]
+        whole &= ks["pos_max"] <= qs["pos_min"]
+    if g.window is not None:
+        left, right = g.window
+        some &= (ks["pos_max"] >= qs["pos_min"] - left) & (ks["pos_min"] <= qs["pos_max"] + right)
+        whole &= (ks["pos_min"] >= qs["pos_max"] - left) & (ks["pos_max"] <= qs["pos_min"] + right)
+    return jnp.where(some, jnp.where(whole, 2, 1), 0).astype(jnp.int32)
+
+
+def _merge(cls, factor: int):
+    """Key tiles merged `factor` at a time (hidden if all are, whole if all are)."""
+    if factor == 1:
+        return cls
+    b, r, n = cls.shape
+    t = cls.reshape(b, r, n // factor, factor)
+    return jnp.where((t == 0).all(-1), 0, jnp.where((t == 2).all(-1), 2, 1)).astype(jnp.int32)
+
+
+def _runs(cls):
+    """The visiting ranges `[B, 1, rows, 4]` int32 of tile rows `cls [B, rows, n]`: `[lo, hi)`
+    from the first to the last tile with a visible pair, and `[full_lo, full_hi)` the first run
+    of whole tiles in it (every whole tile of a row when the documents are contiguous). Min and
+    max reductions only, which XLA fuses with `classify`."""
+    n = cls.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    some, whole = cls > 0, cls == 2
+    hi = jnp.where(some, idx + 1, 0).max(-1)
+    lo = jnp.where(hi > 0, jnp.where(some, idx, n).min(-1), 0)
+    full_lo = jnp.where(whole, idx, n).min(-1)
+    full_hi = jnp.where(~whole & (idx >= full_lo[..., None]), idx, n).min(-1)
+    has_whole = full_lo < n
+    full_lo, full_hi = jnp.where(has_whole, full_lo, lo), jnp.where(has_whole, full_hi, lo)
+    return jnp.stack([lo, hi, full_lo, full_hi], -1).astype(jnp.int32)[:, None]
+
+
+def tables(q_info, kv_info, g: hopper.Geometry, block_kv: int):
+    """The kernels' visiting ranges `(forward, dQ, dK/dV)` from the token infos (lengths
+    multiples of 128)."""
+    cls = classify(q_info, kv_info, g)
+    return _runs(_merge(cls, block_kv // TILE)), _runs(cls), _runs(jnp.swapaxes(cls, 1, 2))
+
+
+# ---- the call
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    scale: float
+    softcap: float | None
+    geometry: hopper.Geometry
+    config: hopper.Config
+
+
+def _no_side(bsz: int, heads: int, seq: int):
+    return jnp.zeros((bsz, heads, 0, seq), jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _call(st: _Static, q, k, v, infos, tabs):
+    return _kernels_forward(st, q, k, v, infos, tabs)
+
+
+def _kernels_forward(st, q, k, v, infos, tabs):
+    bsz, q_seq, q_heads, _ = q.shape
+    return hopper.forward(q, k, v, _no_side(bsz, q_heads, q_seq),
+                          _no_side(bsz, q_heads, k.shape[1]), scale=st.scale,
+                          softcap=st.softcap, geometry=st.geometry, tile_fn=None,
+                          config=st.config, tables=tabs, infos=infos)
+
+
+def _call_fwd(st, q, k, v, infos, tabs):
+    out, lse, mx = _kernels_forward(st, q, k, v, infos, tabs)
+    return (out, lse, mx), (q, k, v, infos, tabs, out, lse)
+
+
+def _call_bwd(st, saved, cotangents):
+    q, k, v, infos, tabs, out, lse = saved
+    dout, dlse, _ = cotangents  # the row max has no gradient
+    bsz, q_seq, q_heads, _ = q.shape
+    dq, dk, dv, _, _ = hopper.backward(
+        q, k, v, out, lse, dout.astype(q.dtype), dlse.astype(jnp.float32),
+        _no_side(bsz, q_heads, q_seq), _no_side(bsz, q_heads, k.shape[1]), scale=st.scale,
+        softcap=st.softcap, geometry=st.geometry, tile_fn=None, config=st.config, tables=tabs,
+        infos=infos)
+    return dq, dk, dv, None, None
+
+
+_call.defvjp(_call_fwd, _call_bwd)
+
+
+def _pad_tokens(x, axis: int, value=0):
+    extra = (-x.shape[axis]) % _PAD_MULTIPLE
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_infos(q_info, kv_info):
+    """The token infos padded to the kernels' multiple of 128 with padding tokens."""
+    q_seq, kv_seq = q_info.shape[2], kv_info.shape[2]
+    q_info = _pad_tokens(q_info, 2, PAD_ROW).at[:, 0, q_seq:].set(0)
+    kv_info = _pad_tokens(kv_info, 2, -1).at[:, 0, kv_seq:].set(0)
+    return q_info, kv_info
+
+
+def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool):
+    """`(out [B, Sq, Hq, D], lse [B, Hq, Sq], max [B, Hq, Sq])` on the Hopper kernels for
+    tokens described by `q_info [B, 2, Sq]`, `kv_info [B, 2, Skv]` (segment, position; see the
+    module docstring). `clean`: zero the padding tokens of q, k and v first (the call may have
+    padding that holds NaN: in a tile that mixes padding with visible pairs, a zero
+    probability or score gradient would meet it in a product). Rows that see no key: out 0,
+    lse = max = -inf, zero gradients."""
+    q_seq = q.shape[1]
+    if clean:
+        q_keep = (q_info[:, 1] != PAD_ROW)[:, :, None, None]
+        kv_keep = (kv_info[:, 1] >= 0)[:, :, None, None]
+        q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype))
+                   for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
+    qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
+    q_info, kv_info = pad_infos(q_info, kv_info)
+    g = geometry(options, qp.shape[1], kp.shape[1])
+    config = hopper.default_config(q.shape[-1])
+    tabs = tables(q_info, kv_info, g, config.block_kv)
+    st = _Static(options.scale, options.softcap or None, g, config)
+    out, lse, mx = _call(st, qp, kp, vp, (q_info, kv_info), tabs)
+    return out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq]
+
+
+def token_infos(arrays: Canonical, options: Options):
+    """`(q_info, kv_info)` of an `attention` call: segment ids (0 without), the lengths'
+    padding, and the bottom-right offset of each batch row in the rows' aligned positions."""
+    bsz, q_seq = arrays.q.shape[:2]
+    kv_seq = arrays.k.shape[1]
+    q_len = jnp.clip(arrays.q_seqlens.astype(jnp.int32), 0, q_seq)[:, None]
+    kv_len = jnp.clip(arrays.kv_seqlens.astype(jnp.int32), 0, kv_seq)[:, None]
+    offset = kv_len - q_len if options.causal == 2 else jnp.zeros_like(q_len)
+    i = jnp.arange(q_seq, dtype=jnp.int32)[None]
+    j = jnp.arange(kv_seq, dtype=jnp.int32)[None]
+    q_at = jnp.where(i < q_len, i + offset, PAD_ROW)
+    kv_at = jnp.where(j < kv_len, j, -1)
+    q_seg = (jnp.zeros((bsz, q_seq), jnp.int32) if arrays.q_segment_ids is None
+             else arrays.q_segment_ids.astype(jnp.int32))
+    kv_seg = (jnp.zeros((bsz, kv_seq), jnp.int32) if arrays.kv_segment_ids is None
+              else arrays.kv_segment_ids.astype(jnp.int32))
+    return jnp.stack([q_seg, q_at], 1), jnp.stack([kv_seg, kv_at], 1)
+
+
+def with_sink(out, lse, sink):
+    """A per-head sink logit added to every denominator after the kernels (exact: the output
+    is a P-weighted sum, so it scales by `exp(lse0 - lse)`); rows without a visible key get
+    out 0 and lse = sink."""
+    s = sink.astype(jnp.float32)[None, :, None]
+    shift = lax.stop_gradient(jnp.maximum(lse, s))
+    lse_sink = shift + jnp.log(jnp.exp(lse - shift) + jnp.exp(s - shift))
+    ratio = jnp.exp(lse - lse_sink)
+    out = (out.astype(jnp.float32) * ratio.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+    return out, lse_sink
+
+
+def run(arrays: Canonical, options: Options, return_probs: bool):
+    """`(out, lse, max, None)`: the dispatch's entry for `attention` with segment ids."""
+    del return_probs  # never asked (flash saves no probabilities)
+    q_info, kv_info = token_infos(arrays, options)
+    out, lse, mx = packed_attention(arrays.q, arrays.k, arrays.v, q_info, kv_info, options,
+                                    clean=options.has_seqlens)
+    if arrays.sink is not None:
+        out, lse = with_sink(out, lse, arrays.sink)
+    return out, lse, mx, None
+
+
+def varlen(q, k, v, q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q_lengths,
+           kv_lengths, options: Options, sink):
+    """`(out [total_q, Hq, D], lse [Hq, total_q], max [Hq, total_q])` of `varlen_attention`'s
+    packed tokens: each token's sequence and position in it (`_varlen.Packing`), the
+    sequences' lengths for the bottom-right offsets."""
+    offset = (kv_lengths - q_lengths)[q_seq_of] if options.causal == 2 else 0
+    q_at = jnp.where(q_covered, q_pos + offset, PAD_ROW)
+    kv_at = jnp.where(kv_covered, kv_pos, -1)
+    q_info = jnp.stack([q_seq_of.astype(jnp.int32), q_at.astype(jnp.int32)])[None]
+    kv_info = jnp.stack([kv_seq_of.astype(jnp.int32), kv_at.astype(jnp.int32)])[None]
+    out, lse, mx = packed_attention(q[None], k[None], v[None], q_info, kv_info, options,
+                                    clean=True)
+    if sink is not None:
+        out, lse = with_sink(out, lse, sink)
+    return out[0], lse[0], mx[0]
