@@ -214,9 +214,6 @@ def test_bad_input_says_what_is_wrong():
         ax.attention(q, k, v, score_mod=branchy)
     with pytest.raises(ValueError, match="one bool per pair"):
         ax.attention(q, k, v, mask_mod=lambda b, h, i, j: (j - i).astype(jnp.float32))
-    with pytest.raises(ValueError, match="dropout"):
-        ax.attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i, dropout_rate=0.1,
-                     key=jax.random.key(0))
     out, aux = ax.attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i, return_probs=True)
     assert aux.backend == "reference" and aux.probs.shape == (B, HQ, 32, 32)
 
@@ -286,3 +283,29 @@ def test_varlen_with_score_mod_equals_each_sequence_alone(backend):
     e = ax.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=70,
                    max_seqlen_kv=70, backend=backend, **mods)
     assert e.backend == aux.backend and "padded" in e.packed
+
+
+@pytest.mark.parametrize("backend", [pytest.param("flash", marks=cpu_only), "flex"])
+def test_dropout_composes_with_the_functions(backend):
+    """Dropout with score_mod and mask_mod: each backend draws attnaux's documented keep-mask
+    at the global positions, so with the same key out and the gradients (captured arrays'
+    included) equal the materialised reference's; lse and max do not see dropout. Without the
+    key's mask (another key) they differ."""
+    q, k, v, w, u = _inputs(11)
+    params = _alibi_table(12)
+    key = jax.random.key(13)
+
+    def options(p, key=key):
+        return dict(causal=True, dropout_rate=0.25, key=key,
+                    mask_mod=lambda b, h, i, j: (i - j < 90),
+                    score_mod=lambda s, b, h, i, j: s + p["slopes"][h] * (j - i))
+
+    got = _run(q, k, v, w, u, params, options, backend)
+    want = _run(q, k, v, w, u, params, options, "reference")
+    for name, g_, w_ in zip(("out", "lse", "max"), got[0], want[0]):
+        _close(g_, w_, 2e-5, name)
+    for name, g_, w_ in zip(("dq", "dk", "dv", "dparams"), got[1], want[1]):
+        for leaf_g, leaf_w in zip(jax.tree.leaves(g_), jax.tree.leaves(w_)):
+            _close(leaf_g, leaf_w, 1e-4, name)
+    other = _run(q, k, v, w, u, params, lambda p: options(p, jax.random.key(14)), backend)
+    assert np.abs(np.asarray(other[0][0]) - np.asarray(want[0][0])).max() > 1e-2

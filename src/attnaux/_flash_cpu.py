@@ -191,8 +191,12 @@ def run_mods(arrays: Canonical, options: Options, program, flat_consts, tile_mas
     ops = kernel_operands(arrays)
     bsz, q_seq, q_heads, _ = arrays.q.shape
     kv_seq = arrays.k.shape[1]
-    ops["rng_state"] = jnp.asarray(  # the 12-word block state of a whole problem
-        np.array([0, 0, 0, 0, 0, 0, 0, 0, q_heads, q_seq, kv_seq, 0], np.uint32))
+    # the 12-word block state of a whole problem: the dropout seed and offset (zero without
+    # dropout), origin 0, the global shape (`docs/kernel_abi.md`)
+    seed = (arrays.rng_state.astype(jnp.uint32) if arrays.rng_state is not None
+            else jnp.zeros((4,), jnp.uint32))
+    ops["rng_state"] = jnp.concatenate([seed[:4], jnp.asarray(
+        np.array([0, 0, 0, 0, q_heads, q_seq, kv_seq, 0], np.uint32))])
     ops["score_consts"] = flat_consts.astype(jnp.float32)
     ops["tile_mask"] = absent(jnp.int32) if tile_mask is None else jnp.asarray(tile_mask)
     static = (options, program, program.uses_batch)

@@ -23,8 +23,13 @@ backend serves a call (the CPU kernels' score programs, flex, or the reference) 
 - `reference`: the scores materialised (`_reference.reference_attention` with the two functions),
   differentiated by JAX end to end: the oracle of the tests.
 
+Dropout composes: every backend draws attnaux's documented keep-mask (`_philox`) at the
+global positions of each tile (flex per tile, the CPU kernels as for their built-in options), so
+the three agree for the same `rng_state` and `introspect.dropout_mask` replays it. attnaux's
+Hopper kernels draw no mask: on GPU a call with dropout runs on flex.
+
 Not served with them (a clear error, `_mods._check`): `bias` and `mask` (a `score_mod` or
-`mask_mod` closing over the array says the same), dropout, `return_probs` on `flex`.
+`mask_mod` closing over the array says the same), `return_probs` on `flex`.
 """
 
 from collections.abc import Callable
@@ -37,6 +42,7 @@ import numpy as np
 from ._canon import Canonical, Options
 from ._masking import visibility
 from ._partition import match_vma, unify_vma, vma
+from ._philox import dropout_keep_mask
 
 BLOCK_Q = 512
 BLOCK_K = 512
@@ -321,6 +327,20 @@ def _tile(st: _Static, arrays: Canonical, consts, q0, k0, q_blk, k_blk):
     return raw, modified, visible, th
 
 
+def _dropout_scale(st: _Static, arrays: Canonical, q0, k0, bsz: int, q_heads: int):
+    """`keep / (1 - rate)` of a tile, `[B, Hq, BQ, BK]` float32, from attnaux's generator at the
+    tile's global positions (the words of the whole problem's mask; `introspect.dropout_mask`
+    replays it), or 1.0 without dropout."""
+    rate = st.options.dropout_rate
+    if rate == 0:
+        return 1.0
+    bq, bk = st.table.bq, st.table.bk
+    keep = dropout_keep_mask(arrays.rng_state, rate, bsz, q_heads, st.q_seq, st.kv_seq,
+                             columns=k0 + jnp.arange(bk, dtype=jnp.int32),
+                             rows=q0 + jnp.arange(bq, dtype=jnp.int32))
+    return jnp.where(keep, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
+
+
 def _padded(st: _Static, arrays: Canonical):
     bq, bk = st.table.bq, st.table.bk
     q = _pad_seq(arrays.q, 1, bq)
@@ -355,8 +375,10 @@ def _flex_forward(st: _Static, arrays: Canonical, consts):
             alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
             p = jnp.exp(jnp.where(visible, s - m_use[..., None], -jnp.inf))
             total = total * alpha + p.sum(-1)
+            # dropout acts on the normalised probabilities: the denominator keeps every p
+            kept = p * _dropout_scale(st, padded, q0, k0, bsz, q_heads)
             pv = jnp.einsum("bhgqk,bkhd->bqhgd",
-                            p.reshape(bsz, kv_heads, group, bq, bk),
+                            kept.reshape(bsz, kv_heads, group, bq, bk),
                             v_blk.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
             pv = pv.reshape(bsz, bq, q_heads, v_dim)
             acc = acc * alpha.transpose(0, 2, 1)[..., None] + pv
@@ -415,11 +437,12 @@ def _flex_backward(st: _Static, arrays: Canonical, consts, out, lse, dout, dlse)
             v_blk = jax.lax.dynamic_slice_in_dim(padded.v, k0, bk, 1)
             raw, s, visible, th = _tile(st, padded, consts, q0, k0, q_blk, k_blk)
             p = jnp.exp(jnp.where(visible, s - lse_blk[..., None], -jnp.inf))
-            p5 = p.reshape(bsz, kv_heads, group, bq, bk)
+            drop = _dropout_scale(st, padded, q0, k0, bsz, q_heads)  # 1, or keep / (1 - rate)
+            p5 = (p * drop).reshape(bsz, kv_heads, group, bq, bk)
             do5 = do_blk.reshape(bsz, bq, kv_heads, group, v_dim)
             dv_t = jnp.einsum("bhgqk,bqhgd->bkhd", p5, do5, precision=jax.lax.Precision.HIGHEST)
             dp = jnp.einsum("bqhgd,bkhd->bhgqk", do5, v_blk.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST).reshape(p.shape)
+                            precision=jax.lax.Precision.HIGHEST).reshape(p.shape) * drop
             ds = jnp.where(visible, p * (dp - rt_blk[..., None]), 0.0)
             if st.mods.score is not None:
                 b_idx = jnp.arange(bsz, dtype=jnp.int32)
@@ -482,14 +505,15 @@ def _float_const(c) -> bool:
 
 def make_flex(st: _Static):
     """The differentiable `(q, k, v, sink, consts) -> (out, lse, max)` of one static setting;
-    other canonical arrays (lengths, segment ids) ride along undifferentiated."""
+    other canonical arrays (lengths, segment ids, the dropout `rng_state`) ride along
+    undifferentiated."""
 
     @jax.custom_vjp
     def flex(q, k, v, sink, consts, others):
         return _forward(q, k, v, sink, consts, others)[0]
 
     def _forward(q, k, v, sink, consts, others):
-        arrays = Canonical(q, k, v, None, None, *others, sink, None)
+        arrays = Canonical(q, k, v, None, None, *others[:4], sink, others[4])
         out, lse, row_max = _flex_forward(st, arrays, consts)
         if sink is not None:
             s = sink.astype(jnp.float32)[None, :, None]
@@ -506,7 +530,7 @@ def make_flex(st: _Static):
         q, k, v, sink, consts, others, out, lse = res
         dout, dlse, _ = cts
         dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(jnp.float32)
-        arrays = Canonical(q, k, v, None, None, *others, sink, None)
+        arrays = Canonical(q, k, v, None, None, *others[:4], sink, others[4])
         dq, dk, dv, dscore = _flex_backward(st, arrays, consts, out, lse, dout, dlse)
         dsink = None
         if sink is not None:
@@ -534,7 +558,8 @@ def make_flex(st: _Static):
 def run(arrays: Canonical, options: Options, mods: Mods, consts, table: BlockTable):
     """`(out, lse, max)` of the `flex` backend."""
     st = _Static(options, mods, table, arrays.q.shape[1], arrays.k.shape[1])
-    others = (arrays.q_seqlens, arrays.kv_seqlens, arrays.q_segment_ids, arrays.kv_segment_ids)
+    others = (arrays.q_seqlens, arrays.kv_seqlens, arrays.q_segment_ids, arrays.kv_segment_ids,
+              arrays.rng_state if options.dropout_rate > 0 else None)
     return make_flex(st)(arrays.q, arrays.k, arrays.v, arrays.sink, tuple(consts), others)
 
 

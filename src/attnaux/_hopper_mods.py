@@ -366,6 +366,8 @@ def unavailable(problem) -> str | None:
         return "segment ids are not served by the Hopper kernels yet"
     if arrays.sink is not None:
         return "sink is not served by the Hopper kernels yet"
+    if options.dropout_rate > 0:
+        return "the Hopper kernels draw no dropout mask"
     return None
 
 

@@ -47,7 +47,7 @@ class ModsChoice(NamedTuple):
     split: Any = None  # _hopper_mods.Split on a Hopper GPU
 
 
-def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) -> None:
+def _check(backend: str, bias, mask, return_probs: bool) -> None:
     if backend not in MOD_BACKENDS:
         raise ValueError(
             f"`score_mod` and `mask_mod` are served by backend 'flash' (compiled into the C++ "
@@ -62,9 +62,6 @@ def _check(backend: str, bias, mask, dropout_rate: float, return_probs: bool) ->
     if mask is not None:
         raise ValueError("`mask` does not combine with `score_mod`/`mask_mod`: read it in the "
                          "mask_mod (`lambda b, h, i, j: mask[b, h, i, j]`).")
-    if dropout_rate > 0:
-        raise ValueError("dropout is not yet served together with `score_mod`/`mask_mod` "
-                         f"(dropout_rate={dropout_rate}).")
     if backend in ("flex", "flash") and return_probs:
         raise ValueError(f"backend={backend!r} does not save the probabilities "
                          "(return_probs=True); use backend='reference' (materialised) or 'auto'.")
@@ -117,7 +114,7 @@ def _compiled(problem, mods, consts, dense, platform: str):
 def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs) -> ModsChoice:
     """The backend (and what it needs) for a validated call with score_mod/mask_mod."""
     options = problem.options
-    _check(backend, bias, mask, options.dropout_rate, return_probs)
+    _check(backend, bias, mask, return_probs)
     arrays = problem.arrays
     mods, consts = _flex.convert(score_mod, mask_mod)
     bsz, q_seq, q_heads, _ = arrays.q.shape

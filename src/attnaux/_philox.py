@@ -55,17 +55,23 @@ def keep_threshold(rate: float) -> np.uint32:
 
 def dropout_keep_mask(
     rng_state: jax.Array, rate: float, batch: int, heads: int, q_seq: int, kv_seq: int,
-    columns: jax.Array | None = None,
+    columns: jax.Array | None = None, rows: jax.Array | None = None,
 ) -> jax.Array:
     """The `bool[batch, heads, q_seq, kv_seq]` keep-mask that the kernels use; with `columns`
-    (`int[n]` key positions) only those columns, `bool[batch, heads, q_seq, n]`."""
-    rows = batch * heads * q_seq
-    if rows >= 2**32:
+    (`int[n]` key positions) only those columns, `bool[batch, heads, q_seq, n]`; with `rows`
+    (`int[m]` query positions, each below `q_seq`) only those rows, `bool[batch, heads, m, ...]`
+    (a tile of the mask: the same words as the whole mask's)."""
+    n_rows = batch * heads * q_seq
+    if n_rows >= 2**32:
         raise ValueError(
-            f"dropout over {rows} softmax rows (batch * heads * q_seq) exceeds 2**32 rows."
+            f"dropout over {n_rows} softmax rows (batch * heads * q_seq) exceeds 2**32 rows."
         )
     rng_state = jnp.asarray(rng_state, jnp.uint32)
-    row = jnp.arange(rows, dtype=jnp.uint32).reshape(batch, heads, q_seq, 1)
+    if rows is None:
+        row = jnp.arange(n_rows, dtype=jnp.uint32).reshape(batch, heads, q_seq, 1)
+    else:
+        head_row = jnp.arange(batch * heads, dtype=jnp.uint32).reshape(batch, heads, 1, 1)
+        row = head_row * np.uint32(q_seq) + rows.astype(jnp.uint32).reshape(1, 1, -1, 1)
     if columns is None:
         columns = jnp.arange(kv_seq, dtype=jnp.uint32)
     col = columns.astype(jnp.uint32).reshape(1, 1, 1, -1)

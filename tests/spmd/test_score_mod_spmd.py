@@ -77,3 +77,25 @@ def test_sharded_jit_over_batch_and_heads_sees_global_indices():
         q, k, v, causal=True, backend="reference",
         score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j) + 0.5 * b)
     _close(want_out, r_out, 2e-5, "out against the materialised reference")
+
+
+def test_dropout_with_functions_under_sharded_jit():
+    """Dropout next to score_mod, batch and heads split 2 x 2: each shard draws its part of the
+    unsharded call's keep-mask (the origin in the block state), so out equals the unsharded
+    call and the materialised reference with the same key."""
+    mesh = jax.make_mesh((2, 2), ("b", "h"), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    q, k, v = (jax.random.normal(jax.random.key(i), (4, 70, 4, 16)) for i in range(3))
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+    key = jax.random.key(9)
+
+    def f(q, k, v, backend="auto"):
+        out, aux = ax.attention(q, k, v, causal=True, dropout_rate=0.3, key=key,
+                                score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j),
+                                backend=backend)
+        return out
+
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("b", None, "h")))  # noqa: E731
+    out = jax.jit(f)(put(q), put(k), put(v))
+    _close(out, jax.jit(f)(q, k, v), 2e-5, "out, batch x heads sharded, dropout")
+    _close(out, f(q, k, v, "reference"), 2e-5, "out against the reference, dropout")
