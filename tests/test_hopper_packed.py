@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hopper_emulation import emulated_kernels
 
 import attnaux as ax
 from attnaux import _dispatch, _masking
@@ -155,6 +156,83 @@ def test_varlen_infos_match_the_padded_rules():
         d = lk[s] - lq[s]
         want[oq[s]:oq[s] + lq[s], ok[s]:ok[s] + lk[s]] = (j <= i + d) & (j >= i + d - 20)
     np.testing.assert_array_equal(got, want)
+
+
+# ---- the wrapping of the kernels, with a pure-JAX stand-in for them (runs on CPU)
+def _emulated_case(seed=0, b=2, s=150):
+    rng = np.random.default_rng(seed)
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, 4, 16))
+    k = jax.random.normal(keys[1], (b, s, 2, 16))
+    v = jax.random.normal(keys[2], (b, s, 2, 16))
+    w = jax.random.normal(keys[3], (b, s, 4, 16))
+    seg = jnp.asarray(np.stack([_segments("docs", s, rng) for _ in range(b)]))
+    options = dict(causal="bottom_right", softcap=20.0, q_segment_ids=seg, kv_segment_ids=seg,
+                   q_seqlens=jnp.array([s, s - 40][:b]), kv_seqlens=jnp.array([s - 7, s][:b]),
+                   sink=jnp.linspace(-1.0, 1.0, 4))
+    return q, k, v, w, options
+
+
+def _packed_run(q, k, v, **options):
+    """`_hopper_packed.run` as the dispatch calls it: `(out, lse)`."""
+    statics = parse_statics(scale=None, causal=options.pop("causal", False), window=None,
+                            softcap=options.pop("softcap", None), dropout_rate=0.0)
+    problem = canonicalize(q, k, v, statics, **options)
+    out, lse, _, _ = hpk.run(problem.arrays, problem.options, False)
+    return out, lse
+
+
+def test_wrapping_matches_the_reference_with_emulated_kernels():
+    """Padding to 128, token infos, lengths, the sink after the kernels and the custom VJP
+    (through lse too) around a stand-in of the kernels: equal to the reference backend."""
+    q, k, v, w, options = _emulated_case()
+
+    def loss(run, q, k, v):
+        out, lse = run(q, k, v)
+        return (out * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum(), (out, lse)
+
+    with emulated_kernels():
+        got = jax.value_and_grad(lambda *a: loss(lambda *x: _packed_run(*x, **dict(options)),
+                                                 *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want = jax.value_and_grad(lambda *a: loss(
+        lambda *x: (lambda r: (r[0], r[1].lse))(ax.attention(*x, backend="reference",
+                                                              **options)), *a),
+        argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    _close(got[0][1][0], want[0][1][0], 1e-5, "out")
+    _close(got[0][1][1], want[0][1][1], 1e-5, "lse")
+    for name, g_, w_ in zip("qkv", got[1], want[1]):
+        _close(g_, w_, 1e-4, f"d{name}")
+
+
+def test_vmap_folds_into_the_batch_with_emulated_kernels():
+    """`jax.vmap` (twice nested) of the packed call: one call with the mapped axes folded into
+    the batch, equal to the calls one by one, gradients too."""
+    q, k, v, w, options = _emulated_case(b=1)
+    seg, q_len, kv_len = (options.pop(n) for n in ("q_segment_ids", "q_seqlens", "kv_seqlens"))
+    del options["kv_segment_ids"]
+    stack = lambda x: jnp.stack([x, x[:, ::-1], 0.5 * x])  # noqa: E731
+    qs, ks, vs = (jnp.stack([stack(x), -stack(x)]) for x in (q, k, v))  # [2, 3, 1, ...]
+
+    def one(q, k, v):
+        return _packed_run(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_seqlens=q_len,
+                           kv_seqlens=kv_len, **dict(options))[0]
+
+    def loss(fn, q, k, v):
+        return (fn(q, k, v) ** 2).sum()
+
+    with emulated_kernels():
+        mapped = jax.vmap(jax.vmap(one))
+        got = mapped(qs, ks, vs)
+        got_grads = jax.grad(lambda *a: loss(mapped, *a), argnums=(0, 1, 2))(qs, ks, vs)
+        jaxpr = str(jax.make_jaxpr(mapped)(qs, ks, vs))
+        for i in range(2):
+            for j in range(3):
+                _close(got[i, j], one(qs[i, j], ks[i, j], vs[i, j]), 1e-6, f"out[{i}, {j}]")
+                gi = jax.grad(lambda *a: loss(one, *a), argnums=(0, 1, 2))(
+                    qs[i, j], ks[i, j], vs[i, j])
+                for g_, w_ in zip(got_grads, gi):
+                    _close(g_[i, j], w_, 1e-5, f"grad[{i}, {j}]")
+    assert jaxpr.count("attnaux_kernel_call") == 1, "the mapped calls are one kernel call"
 
 
 # ---- on a Hopper GPU

@@ -30,9 +30,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
+from ._partition import BATCH, partitioned, table_layout
 
 TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
 _PAD_MULTIPLE = 128  # sequence lengths the kernels take (two warpgroups of 64 rows)
@@ -154,7 +156,7 @@ def tables(q_info, kv_info, g: hopper.Geometry, block_kv: int):
     return _runs(_merge(cls, block_kv // TILE)), _runs(cls), _runs(jnp.swapaxes(cls, 1, 2))
 
 
-# ---- the call
+# ---- the call: partitioned over batch and heads, vmap folded into the batch
 @dataclasses.dataclass(frozen=True)
 class _Static:
     scale: float
@@ -167,33 +169,82 @@ def _no_side(bsz: int, heads: int, seq: int):
     return jnp.zeros((bsz, heads, 0, seq), jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _call(st: _Static, q, k, v, infos, tabs):
-    return _kernels_forward(st, q, k, v, infos, tabs)
+_LAYOUTS = {
+    "q_info": (BATCH, "info", "q_seq"), "kv_info": (BATCH, "info", "kv_seq"),
+    "t_fwd": (BATCH, "one", "q_blocks", "range"), "t_dq": (BATCH, "one", "q_blocks", "range"),
+    "t_dkv": (BATCH, "one", "kv_blocks", "range"),
+}
+_FORWARD_OPERANDS = ("q", "k", "v", "q_info", "kv_info", "t_fwd", "t_dq", "t_dkv")
+_BACKWARD_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "dout", "dlse")
 
 
-def _kernels_forward(st, q, k, v, infos, tabs):
+def _layout(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    return _LAYOUTS.get(name) or table_layout(name, shape)
+
+
+def _local_forward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv):
     bsz, q_seq, q_heads, _ = q.shape
     return hopper.forward(q, k, v, _no_side(bsz, q_heads, q_seq),
                           _no_side(bsz, q_heads, k.shape[1]), scale=st.scale,
                           softcap=st.softcap, geometry=st.geometry, tile_fn=None,
-                          config=st.config, tables=tabs, infos=infos)
+                          config=st.config, tables=(t_fwd, t_dq, t_dkv), infos=(q_info, kv_info))
+
+
+def _local_backward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv, out, lse, dout,
+                    dlse):
+    bsz, q_seq, q_heads, _ = q.shape
+    dq, dk, dv, _, _ = hopper.backward(
+        q, k, v, out, lse, dout, dlse, _no_side(bsz, q_heads, q_seq),
+        _no_side(bsz, q_heads, k.shape[1]), scale=st.scale, softcap=st.softcap,
+        geometry=st.geometry, tile_fn=None, config=st.config, tables=(t_fwd, t_dq, t_dkv),
+        infos=(q_info, kv_info))
+    return dq, dk, dv
+
+
+def _folded(fn):
+    """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
+    folded into the batch, one launch (an operand that is not mapped is broadcast first)."""
+    wrapped = custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _(axis_size, in_batched, *args):
+        args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, mapped in zip(args, in_batched)]
+        outs = wrapped(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
+                (True,) * len(outs))
+
+    return wrapped
+
+
+@functools.cache
+def _ops(st: _Static):
+    """The forward and backward kernel calls of one static setting: each partitioned over
+    batch and heads under SPMD (`_partition.partitioned`: a device runs its shard, no
+    gather), and folded under `jax.vmap`."""
+    forward = partitioned(functools.partial(_local_forward, st), "attnaux packed (Hopper)",
+                          _FORWARD_OPERANDS, ("out", "lse", "max"), layout=_layout)
+    backward = partitioned(functools.partial(_local_backward, st),
+                           "attnaux packed backward (Hopper)", _BACKWARD_OPERANDS,
+                           ("dq", "dk", "dv"), layout=_layout)
+    return _folded(forward), _folded(backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _call(st: _Static, q, k, v, infos, tabs):
+    return _call_fwd(st, q, k, v, infos, tabs)[0]
 
 
 def _call_fwd(st, q, k, v, infos, tabs):
-    out, lse, mx = _kernels_forward(st, q, k, v, infos, tabs)
+    out, lse, mx = _ops(st)[0](q, k, v, *infos, *tabs)
     return (out, lse, mx), (q, k, v, infos, tabs, out, lse)
 
 
 def _call_bwd(st, saved, cotangents):
     q, k, v, infos, tabs, out, lse = saved
     dout, dlse, _ = cotangents  # the row max has no gradient
-    bsz, q_seq, q_heads, _ = q.shape
-    dq, dk, dv, _, _ = hopper.backward(
-        q, k, v, out, lse, dout.astype(q.dtype), dlse.astype(jnp.float32),
-        _no_side(bsz, q_heads, q_seq), _no_side(bsz, q_heads, k.shape[1]), scale=st.scale,
-        softcap=st.softcap, geometry=st.geometry, tile_fn=None, config=st.config, tables=tabs,
-        infos=infos)
+    dq, dk, dv = _ops(st)[1](q, k, v, *infos, *tabs, out, lse, dout.astype(q.dtype),
+                             dlse.astype(jnp.float32))
     return dq, dk, dv, None, None
 
 
