@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hopper_emulation import emulated_kernels
+from test_hopper import _close
 
 import attnaux as ax
 from attnaux import _dispatch, _masking
@@ -236,14 +237,6 @@ def test_vmap_folds_into_the_batch_with_emulated_kernels():
 
 
 # ---- on a Hopper GPU
-def _close(got, want, rel, what):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    finite = np.isfinite(want)
-    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=f"{what}: finiteness")
-    scale = max(1e-6, np.abs(want[finite]).max(initial=0.0))
-    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=rel * scale, err_msg=what)
-
-
 GPU_CASES = [  # (dim, kv heads, causal, window, softcap, seqlens, sink, kind)
     (128, 4, True, None, None, False, False, "docs"),
     (64, 2, False, None, None, False, True, "docs"),

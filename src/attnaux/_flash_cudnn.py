@@ -74,6 +74,7 @@ from ._kernel_call import (
     SHARED,
     KernelOp,
     absent,
+    add_sink,
     attention_attrs,
     compiled_vjp,
     present,
@@ -540,18 +541,6 @@ def _core_bwd(cfg: Config, residuals, cotangents):
 _core = compiled_vjp(_core_fwd, _core_bwd)
 
 
-def _with_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Adds a per-head sink logit to every softmax denominator, after the fact (exact: the output
-    is a P-weighted sum, so it scales by `exp(lse0 - lse)`). Rows without a visible key (lse0 =
-    -inf) get `out = 0`, `lse = sink` and zero gradients."""
-    s = sink.astype(jnp.float32)[None, :, None]
-    shift = jax.lax.stop_gradient(jnp.maximum(lse, s))  # finite: the sink is
-    lse_sink = shift + jnp.log(jnp.exp(lse - shift) + jnp.exp(s - shift))
-    ratio = jnp.exp(lse - lse_sink)  # [B, Hq, Sq], 0 where lse0 = -inf
-    out = (out.astype(jnp.float32) * ratio.transpose(0, 2, 1)[..., None]).astype(out.dtype)
-    return out, lse_sink
-
-
 def _prepare(arrays: Canonical, options: Options, *, with_max: bool = True,
              composite: bool = False):
     """`(cfg, (q, k, v, bias, q_len, kv_len, rng))`: the static configuration of a (non-empty)
@@ -618,12 +607,12 @@ def flash_attention_cuda(
         none = jnp.full((bsz, q_heads, q_seq), -jnp.inf, jnp.float32)
         lse = none
         if arrays.sink is not None:
-            out, lse = _with_sink(out, none, arrays.sink)
+            out, lse = add_sink(out, none, arrays.sink)
         return out, lse, none
     cfg, core_args = _prepare(arrays, options, with_max=with_max, composite=composite)
     out, lse, row_max = _core(cfg, *core_args)
     if arrays.sink is not None:
-        out, lse = _with_sink(out, lse, arrays.sink)
+        out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, row_max
 
 

@@ -29,11 +29,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.custom_batching import custom_vmap
 
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
+from ._kernel_call import add_sink
 from ._partition import BATCH, partitioned, table_layout
 
 TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
@@ -310,18 +310,6 @@ def token_infos(arrays: Canonical, options: Options):
     return jnp.stack([q_seg, q_at], 1), jnp.stack([kv_seg, kv_at], 1)
 
 
-def with_sink(out, lse, sink):
-    """A per-head sink logit added to every denominator after the kernels (exact: the output
-    is a P-weighted sum, so it scales by `exp(lse0 - lse)`); rows without a visible key get
-    out 0 and lse = sink."""
-    s = sink.astype(jnp.float32)[None, :, None]
-    shift = lax.stop_gradient(jnp.maximum(lse, s))
-    lse_sink = shift + jnp.log(jnp.exp(lse - shift) + jnp.exp(s - shift))
-    ratio = jnp.exp(lse - lse_sink)
-    out = (out.astype(jnp.float32) * ratio.transpose(0, 2, 1)[..., None]).astype(out.dtype)
-    return out, lse_sink
-
-
 def run(arrays: Canonical, options: Options, return_probs: bool):
     """`(out, lse, max, None)`: the dispatch's entry for `attention` with segment ids."""
     del return_probs  # never asked (flash saves no probabilities)
@@ -329,7 +317,7 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
     out, lse, mx = packed_attention(arrays.q, arrays.k, arrays.v, q_info, kv_info, options,
                                     clean=options.has_seqlens)
     if arrays.sink is not None:
-        out, lse = with_sink(out, lse, arrays.sink)
+        out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, mx, None
 
 
@@ -346,5 +334,5 @@ def varlen(q, k, v, q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q
     out, lse, mx = packed_attention(q[None], k[None], v[None], q_info, kv_info, options,
                                     clean=True)
     if sink is not None:
-        out, lse = with_sink(out, lse, sink)
+        out, lse = add_sink(out, lse, sink)
     return out[0], lse[0], mx[0]

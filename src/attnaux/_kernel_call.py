@@ -256,6 +256,18 @@ class KernelOp:
         return tuple(unbatched), tuple(batched)
 
 
+def add_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Adds a per-head sink logit to every softmax denominator, after the fact (exact: the output
+    is a P-weighted sum, so it scales by `exp(lse0 - lse)`). Rows without a visible key (lse0 =
+    -inf) get `out = 0`, `lse = sink` and zero gradients."""
+    s = sink.astype(jnp.float32)[None, :, None]
+    shift = jax.lax.stop_gradient(jnp.maximum(lse, s))  # finite: the sink is
+    lse_sink = shift + jnp.log(jnp.exp(lse - shift) + jnp.exp(s - shift))
+    ratio = jnp.exp(lse - lse_sink)  # [B, Hq, Sq], 0 where lse0 = -inf
+    out = (out.astype(jnp.float32) * ratio.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+    return out, lse_sink
+
+
 def attention_attrs(options: Options) -> dict[str, Any]:
     """The attributes every attention kernel takes (`docs/kernel_abi.md`)."""
     return dict(

@@ -30,6 +30,7 @@ from . import _dispatch, _flash_cudnn, _hopper_packed
 from ._aux import AttnAux
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
+from ._kernel_call import add_sink
 
 __all__ = ["cu_seqlens_to_segment_ids", "segment_ids_to_cu_seqlens", "varlen_attention"]
 
@@ -212,7 +213,7 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
         lse = jnp.where(hidden, -jnp.inf, lse_t)
         row_max = jnp.where(hidden, -jnp.inf, max_t)
         if mode == "ragged" and sink is not None:  # the other calls added it already
-            out, lse_sink = _flash_cudnn._with_sink(out[None], lse[None], sink)
+            out, lse_sink = add_sink(out[None], lse[None], sink)
             out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])
     aux = AttnAux(
         lse=lse, max=jax.lax.stop_gradient(row_max), probs=probs, rng_state=arrays.rng_state,
