@@ -2,7 +2,8 @@
 `backward` with a packed geometry), so that what wraps them (`_hopper_packed`: padding, token
 infos, tables, partitioning over devices, vmap folding, the custom VJP) runs and is checked on
 CPU. It computes what the kernels compute, from the same token infos, densely in float32:
-visibility by `_flash_hopper._packed_visible`, a masked softmax, and the backward by `jax.vjp`.
+visibility by `_flash_hopper._packed_visible`, a masked softmax, and the backward from the given
+out and lse, as the kernels' (dS = P * (dP - (D - dlse))).
 
 Use as a context manager: `with emulated_kernels(): ...` (it swaps the two module attributes
 and clears JAX's caches around the swap)."""
@@ -48,13 +49,37 @@ def fake_forward(q, k, v, rows, cols, *, scale, softcap, geometry, tile_fn, conf
 
 def fake_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap, geometry,
                   tile_fn, config, tables=None, infos=None):
-    def f(q, k, v):
-        o, l_, _ = _dense(q, k, v, infos, scale, softcap, geometry)
-        return o, jnp.where(jnp.isfinite(l_), l_, 0.0)
+    """As the kernels: P from the given `lse` (a block of a larger problem gets the whole
+    problem's, so P is its share), dS = P * (dP - (rowsum(dO * O) - dlse))."""
+    q_info, kv_info = infos
+    visible = fh._packed_visible(geometry, q_info[:, 0, :, None], q_info[:, 1, :, None],
+                                 kv_info[:, 0, None, :], kv_info[:, 1, None, :])[:, None]
+    group = q.shape[2] // k.shape[2]
+    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+    kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
+    th = None
+    if softcap is not None:
+        th = jnp.tanh(s / softcap)
+        s = th * softcap
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # rows that see nothing: P = 0
+    p = jnp.where(visible, jnp.exp(s - lse_safe[..., None]), 0.0)
+    do = dout.astype(jnp.float32)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do, precision="highest")
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, vf, precision="highest")
+    row = jnp.einsum("bqhd,bqhd->bhq", do, out.astype(jnp.float32), precision="highest") - dlse
+    ds = p * (dp - row[..., None])
+    if th is not None:
+        ds = ds * (1.0 - th * th)
+    ds = ds * scale
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kf, precision="highest")
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, qf, precision="highest")
 
-    _, vjp = jax.vjp(f, q, k, v)
-    dq, dk, dv = vjp((dout.astype(jnp.float32), dlse))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), rows, cols
+    def fold(x):  # query heads' shares back onto their kv head
+        b, n, h, d = x.shape
+        return x.reshape(b, n, h // group, group, d).sum(3)
+
+    return (dq.astype(q.dtype), fold(dk).astype(k.dtype), fold(dv).astype(v.dtype), rows, cols)
 
 
 def _numpy_dense(q, k, v, q_info, kv_info, scale, softcap, geometry):
@@ -87,8 +112,11 @@ def _numpy_forward(q, k, v, q_info, kv_info, *, scale, softcap, geometry, dtype)
             np.where(np.isfinite(lse), s.max(-1), -np.inf).astype(np.float32))
 
 
-def _numpy_backward(q, k, v, out, dout, dlse, q_info, kv_info, *, scale, softcap, geometry):
-    p, _, th, kf, vf, _ = _numpy_dense(q, k, v, q_info, kv_info, scale, softcap, geometry)
+def _numpy_backward(q, k, v, out, lse, dout, dlse, q_info, kv_info, *, scale, softcap,
+                    geometry):
+    _, s, th, kf, vf, _ = _numpy_dense(q, k, v, q_info, kv_info, scale, softcap, geometry)
+    lse = np.asarray(lse, np.float64)
+    p = np.exp(s - np.where(np.isfinite(lse), lse, np.inf)[..., None])  # the given lse's P
     do = np.asarray(dout, np.float64)
     group = q.shape[2] // k.shape[2]
     dv = np.einsum("bhqk,bqhd->bkhd", p, do)
@@ -123,7 +151,7 @@ def opaque_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap
                     tile_fn, config, tables=None, infos=None):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     host = functools.partial(_numpy_backward, scale=scale, softcap=softcap, geometry=geometry)
-    dq, dk, dv = jax.pure_callback(host, shapes, q, k, v, out, dout, dlse, *infos)
+    dq, dk, dv = jax.pure_callback(host, shapes, q, k, v, out, lse, dout, dlse, *infos)
     return dq, dk, dv, rows, cols
 
 

@@ -9,8 +9,9 @@ host CPU devices, on real GPUs with the GPU kernels (cuDNN `flash`, attnaux's CU
 - Context parallelism (`attnaux.parallel`) on 2, 4 (and 8) GPUs: ring and all-gather, contiguous
   and zigzag, causal and not, GQA, segment ids, global lengths, windows, softcap and sink: out,
   lse, max and the gradients (through `aux.lse` too) equal `attnaux.attention(backend="flash")`
-  of the whole sequence on one GPU, also with a bottom-right mask and lengths; dropout, and a
-  window with a bottom-right mask and lengths, are refused.
+  of the whole sequence on one GPU, also with a bottom-right mask and lengths, and with a window
+  on top of it on a Hopper GPU (attnaux's own kernels serve those blocks); dropout is refused,
+  and that window too on other GPUs.
 
 Skipped without 2 or more GPUs (CI has none). Tolerances: bfloat16 inputs for cuDNN; both sides
 round `out` and the gradients to bfloat16 (1 ulp = 7.8e-3 relative), and the ring merges block
@@ -33,6 +34,9 @@ from jax.sharding import PartitionSpec as P
 import attnaux as ax
 import attnaux.parallel as par
 from attnaux import introspect as ai
+
+ON_HOPPER = (jax.default_backend() == "gpu"
+             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."))
 
 
 def _gpus():
@@ -269,7 +273,10 @@ def test_context_parallel_options_at_global_positions(strategy):
     ("allgather", "contiguous", dict(causal=False, window=(300, 50))),
     ("ring", "zigzag", dict(causal="bottom_right", q_seqlens=jnp.asarray([700, 200]),
                             kv_seqlens=jnp.asarray([1024, 150]))),
-], ids=["causal-window", "two-sided-window", "bottom-right-lengths"])
+    ("ring", "zigzag", dict(causal="bottom_right", q_seqlens=jnp.asarray([700, 200]),
+                            kv_seqlens=jnp.asarray([1024, 150]), window=(64, 0))),
+], ids=["causal-window", "two-sided-window", "bottom-right-lengths",
+        "bottom-right-lengths-window"])
 def test_context_parallel_windows(strategy, layout, options):
     """Windows shorter and longer than a chunk (128 tokens with zigzag, 256 contiguous): static
     cuDNN bands, and slices of a block where a band starts right of its diagonal; a bottom-right
@@ -277,6 +284,8 @@ def test_context_parallel_windows(strategy, layout, options):
     n = COUNTS[-1]
     if "q_seqlens" in options and n != 4:
         pytest.skip("the lengths are chosen for 4 GPUs (1024 tokens)")
+    if "q_seqlens" in options and "window" in options and not ON_HOPPER:
+        pytest.skip("a window with a bottom-right mask and lengths needs a Hopper GPU")
     q, k, v = inputs(2, 256 * n, 8, 4, 64, seed=6)
     cp = jax.grad(probe_loss(cp_attend(n, strategy, layout, **options)), argnums=(0, 1, 2),
                   has_aux=True)
@@ -292,6 +301,8 @@ def test_context_parallel_windows(strategy, layout, options):
     dict(dropout_rate=0.1, causal=True),
     dict(causal="bottom_right", kv_seqlens=jnp.asarray([400]), window=(64, 0))])
 def test_context_parallel_refuses_what_cudnn_cannot_place(options):
+    if "window" in options and ON_HOPPER:
+        pytest.skip("attnaux's Hopper kernels serve it (test_context_parallel_windows)")
     q, k, v = inputs(1, 512, 4, 4, 64)
     if "dropout_rate" in options:
         options = dict(options, key=jax.random.key(0))

@@ -34,7 +34,8 @@ from jax.custom_batching import custom_vmap
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
 from ._kernel_call import add_sink
-from ._partition import BATCH, partitioned, table_layout
+from ._masking import diagonal_shift
+from ._partition import BATCH, match_vma, partitioned, table_layout, vma
 
 TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
 _PAD_MULTIPLE = 128  # sequence lengths the kernels take (two warpgroups of 64 rows)
@@ -56,13 +57,11 @@ def geometry(options: Options, q_seq: int, kv_seq: int) -> hopper.Geometry:
 
 
 # ---- availability
-def _options_unavailable(options: Options, has_bias_or_mask: bool, block_call: bool):
+def _options_unavailable(options: Options, has_bias_or_mask: bool):
     if options.dropout_rate > 0:
         return "the Hopper kernels draw no dropout mask"
     if has_bias_or_mask:
         return "the Hopper kernels take no bias or boolean mask"
-    if block_call:
-        return "a block of context parallelism (12-word block state) is not served here"
     return None
 
 
@@ -73,8 +72,7 @@ def unavailable(problem: Problem, platform: str = "gpu") -> str | None:
         return f"attnaux's Hopper kernels run on GPUs, not on {platform!r}"
     why = hopper.device_unavailable(a.q, a.k, a.v)
     if why is None:
-        block_call = a.rng_state is not None and a.rng_state.shape == (12,)
-        why = _options_unavailable(options, a.bias is not None or a.mask is not None, block_call)
+        why = _options_unavailable(options, a.bias is not None or a.mask is not None)
     if why is None and max(a.q.shape[1], a.k.shape[1]) >= _MAX_TOKENS:
         why = f"sequences of {_MAX_TOKENS} tokens or more"
     return why
@@ -82,7 +80,7 @@ def unavailable(problem: Problem, platform: str = "gpu") -> str | None:
 
 def varlen_unavailable(q, k, v, options: Options) -> str | None:
     """Why `varlen_attention`'s packed tokens cannot go to the Hopper kernels (None: they can)."""
-    why = hopper.device_unavailable(q, k, v) or _options_unavailable(options, False, False)
+    why = hopper.device_unavailable(q, k, v) or _options_unavailable(options, False)
     if why is None and max(q.shape[0], k.shape[0]) >= _MAX_TOKENS:
         why = f"sequences of {_MAX_TOKENS} tokens or more"
     return why
@@ -227,7 +225,16 @@ def _ops(st: _Static):
     backward = partitioned(functools.partial(_local_backward, st),
                            "attnaux packed backward (Hopper)", _BACKWARD_OPERANDS,
                            ("dq", "dk", "dv"), layout=_layout)
-    return _folded(forward), _folded(backward)
+    return _varying_like_operands(_folded(forward)), _varying_like_operands(_folded(backward))
+
+
+def _varying_like_operands(fn):
+    """`fn` whose results vary over the manual axes its operands vary over (inside
+    `jax.shard_map`, where the kernel call's results would otherwise lose them)."""
+    def call(*args):
+        axes = frozenset().union(*(vma(x) for x in args))
+        return tuple(match_vma(o, axes) for o in fn(*args))
+    return call
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -268,6 +275,22 @@ def pad_infos(q_info, kv_info):
     return q_info, kv_info
 
 
+def _cleaned(q, k, v, q_info, kv_info):
+    """q, k and v with their padding tokens zeroed."""
+    q_keep = (q_info[:, 1] != PAD_ROW)[:, :, None, None]
+    kv_keep = (kv_info[:, 1] >= 0)[:, :, None, None]
+    return tuple(jnp.where(keep, x, jnp.zeros((), x.dtype))
+                 for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
+
+
+def _static_and_tables(options: Options, qp, kp, q_info, kv_info):
+    """The static setting of a padded call and its visiting ranges."""
+    g = geometry(options, qp.shape[1], kp.shape[1])
+    config = hopper.default_config(qp.shape[-1])
+    st = _Static(options.scale, options.softcap or None, g, config)
+    return st, tables(q_info, kv_info, g, config.block_kv)
+
+
 def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool):
     """`(out [B, Sq, Hq, D], lse [B, Hq, Sq], max [B, Hq, Sq])` on the Hopper kernels for
     tokens described by `q_info [B, 2, Sq]`, `kv_info [B, 2, Skv]` (segment, position; see the
@@ -277,28 +300,24 @@ def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool)
     lse = max = -inf, zero gradients."""
     q_seq = q.shape[1]
     if clean:
-        q_keep = (q_info[:, 1] != PAD_ROW)[:, :, None, None]
-        kv_keep = (kv_info[:, 1] >= 0)[:, :, None, None]
-        q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype))
-                   for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
+        q, k, v = _cleaned(q, k, v, q_info, kv_info)
     qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
     q_info, kv_info = pad_infos(q_info, kv_info)
-    g = geometry(options, qp.shape[1], kp.shape[1])
-    config = hopper.default_config(q.shape[-1])
-    tabs = tables(q_info, kv_info, g, config.block_kv)
-    st = _Static(options.scale, options.softcap or None, g, config)
+    st, tabs = _static_and_tables(options, qp, kp, q_info, kv_info)
     out, lse, mx = _call(st, qp, kp, vp, (q_info, kv_info), tabs)
     return out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq]
 
 
 def token_infos(arrays: Canonical, options: Options):
     """`(q_info, kv_info)` of an `attention` call: segment ids (0 without), the lengths'
-    padding, and the bottom-right offset of each batch row in the rows' aligned positions."""
+    padding, and in the rows' aligned positions the bottom-right offset of each batch row plus
+    a block's diagonal shift (word 11 of a 12-word block state: context parallelism)."""
     bsz, q_seq = arrays.q.shape[:2]
     kv_seq = arrays.k.shape[1]
     q_len = jnp.clip(arrays.q_seqlens.astype(jnp.int32), 0, q_seq)[:, None]
     kv_len = jnp.clip(arrays.kv_seqlens.astype(jnp.int32), 0, kv_seq)[:, None]
     offset = kv_len - q_len if options.causal == 2 else jnp.zeros_like(q_len)
+    offset = offset + jnp.asarray(diagonal_shift(arrays), jnp.int32)
     i = jnp.arange(q_seq, dtype=jnp.int32)[None]
     j = jnp.arange(kv_seq, dtype=jnp.int32)[None]
     q_at = jnp.where(i < q_len, i + offset, PAD_ROW)
@@ -319,6 +338,30 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
     if arrays.sink is not None:
         out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, mx, None
+
+
+FOLLOWS_BLOCK_STATE = True
+"""The kernels take a block's diagonal shift from its 12-word block state (`token_infos`), so
+context parallelism gives them every block as it is; they draw no dropout mask."""
+
+
+def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
+    """`(dq, dk, dv)` of one block of a larger attention (context parallelism): the backward
+    kernels with the *whole* problem's `out` and `lse` as residuals, so that P and the row term
+    are the whole problem's: the block's exact share of the gradients."""
+    q_info, kv_info = token_infos(arrays, options)
+    q, k, v = arrays.q, arrays.k, arrays.v
+    if options.has_seqlens:
+        q, k, v = _cleaned(q, k, v, q_info, kv_info)
+    q_seq, kv_seq = q.shape[1], k.shape[1]
+    qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
+    q_info, kv_info = pad_infos(q_info, kv_info)
+    st, tabs = _static_and_tables(options, qp, kp, q_info, kv_info)
+    dq, dk, dv = _ops(st)[1](
+        qp, kp, vp, q_info, kv_info, *tabs, _pad_tokens(out.astype(q.dtype), 1),
+        _pad_tokens(lse.astype(jnp.float32), 2, -jnp.inf), _pad_tokens(dout.astype(q.dtype), 1),
+        _pad_tokens(dlse.astype(jnp.float32), 2))
+    return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
 
 
 def varlen(q, k, v, q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q_lengths,

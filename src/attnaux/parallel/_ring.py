@@ -659,6 +659,23 @@ def _backend_module(backend: str, platform: str):
     return module
 
 
+def _moving_band_module(arrays: Canonical):
+    """The backend for a window with a bottom-right mask and lengths on GPU: the band moves
+    per row by data, which cuDNN's static window bounds cannot follow; attnaux's Hopper kernels
+    take each block's shift from its block state, so they serve every block as it is."""
+    from .. import _flash_hopper, _hopper_packed
+
+    why = _flash_hopper.device_unavailable(arrays.q, arrays.k, arrays.v)
+    if why is not None:
+        raise ValueError(
+            "a `window` with a bottom-right mask and lengths is not supported by context "
+            "parallelism on this GPU: the diagonal moves per row by data, and cuDNN's window "
+            "bounds are static per graph (a bottom-right mask with lengths is served without a "
+            f"window, and windows with every other mask); attnaux's Hopper kernels would: {why}."
+        )
+    return _hopper_packed
+
+
 def _unsupported(name: str, why: str):
     return ValueError(f"`{name}` is not supported by context parallelism: {why}.")
 
@@ -767,12 +784,7 @@ def ring_attention(
             )
         windowed = options.window_left >= 0 or options.window_right >= 0
         if options.causal == 2 and has_lengths and windowed:
-            raise ValueError(
-                "a `window` with a bottom-right mask and lengths is not supported by context "
-                "parallelism on GPU: the diagonal moves per row by data, and cuDNN's window "
-                "bounds are static per graph (a bottom-right mask with lengths is served "
-                "without a window, and windows with every other mask)."
-            )
+            module = _moving_band_module(arrays)
     cfg = _Config(
         axis_name=axis_name, strategy=strategy, layout=layout,
         options=options._replace(causal=0, has_seqlens=True), causal=options.causal != 0,
