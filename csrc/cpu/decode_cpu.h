@@ -234,6 +234,45 @@ inline void ChunkKeys(const DecodeRows& rows, int64_t chunk, int64_t* c0, int64_
   *c1 = std::min(rows.key_hi, (chunk + 1) * kDecodeChunk);
 }
 
+// The online softmax of one tile's scores for every row of every kv head (the dot path): each
+// row's m, l and output rescaled, its scores s replaced by P = exp(s - m) (exactly 0 for -inf
+// and past nk). `states`: each kv head's m[n], l[n], o[n][width], one after another; s:
+// [hk][n][kDecodeTile].
+inline void TileSoftmax(int64_t hk, int64_t n, int64_t width, int64_t nk, float* states,
+                        float* s) {
+  const int64_t per_head = n * (width + 2);
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    float* m = states + hkv * per_head;
+    float* l = m + n;
+    float* o = l + n;
+    for (int64_t r = 0; r < n; ++r) {
+      float* sr = s + (hkv * n + r) * kDecodeTile;
+      float tile_max = -kInf;  // (NaN-propagating)
+      for (int64_t j = 0; j < nk; ++j) tile_max = sr[j] > tile_max || sr[j] != sr[j] ? sr[j] : tile_max;
+      if (tile_max == -kInf) {
+        std::fill(sr, sr + kDecodeTile, 0.0f);
+        continue;
+      }
+      const float m_new = std::max(m[r], tile_max);
+      const float alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
+      if (alpha != 1.0f) {
+        for (int64_t x = 0; x < width; ++x) o[r * width + x] *= alpha;
+      }
+      const VecF mv = Splat(m_new);
+      VecF sum = VecF{};
+      for (int64_t j = 0; j < kDecodeTile; j += kLanes) {
+        const VecF pr = Exp(Load(sr + j) - mv);  // Exp(-inf) is exactly 0
+        sum += pr;
+        Store(sr + j, pr);
+      }
+      float total = 0.0f;
+      for (int lane = 0; lane < kLanes; ++lane) total += sum[lane];
+      l[r] = l[r] * alpha + total;
+      m[r] = m_new;
+    }
+  }
+}
+
 }  // namespace decode_detail
 
 // One tile of keys [j0, j0 + nk) for every kv head's few rows (the dot path): the scores, then
@@ -284,36 +323,7 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
     }
   }
   // the online softmax per row: rescale, P = exp(s - m)
-  for (int64_t hkv = 0; hkv < hk; ++hkv) {
-    float* m = states + hkv * per_head;
-    float* l = m + n;
-    float* o = l + n;
-    for (int64_t r = 0; r < n; ++r) {
-      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
-      float tile_max = -kInf;  // (NaN-propagating)
-      for (int64_t j = 0; j < nk; ++j) tile_max = sr[j] > tile_max || sr[j] != sr[j] ? sr[j] : tile_max;
-      if (tile_max == -kInf) {
-        std::fill(sr, sr + kDecodeTile, 0.0f);
-        continue;
-      }
-      const float m_new = std::max(m[r], tile_max);
-      const float alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
-      if (alpha != 1.0f) {
-        for (int64_t x = 0; x < dvp; ++x) o[r * dvp + x] *= alpha;
-      }
-      const VecF mv = Splat(m_new);
-      VecF sum = VecF{};
-      for (int64_t j = 0; j < kDecodeTile; j += kLanes) {
-        const VecF pr = Exp(Load(sr + j) - mv);  // Exp(-inf) is exactly 0
-        sum += pr;
-        Store(sr + j, pr);
-      }
-      float total = 0.0f;
-      for (int lane = 0; lane < kLanes; ++lane) total += sum[lane];
-      l[r] = l[r] * alpha + total;
-      m[r] = m_new;
-    }
-  }
+  TileSoftmax(hk, n, dvp, nk, states, s.data());
   // pass 2: P V, key-major; a key's P of 0 is skipped, so NaN in a hidden value never enters
   for (int64_t j = 0; j < nk; ++j) {
     if (kPrefetchKeys > 0 && j0 + j + kPrefetchKeys < p.kv_len) {
@@ -453,37 +463,8 @@ inline void DotTileHeads(const AttentionParams& p,
                         s.data() + (hkv * n + r) * kDecodeTile);
     }
   }
-  // the online softmax per row, as in DotTile
-  for (int64_t hkv = 0; hkv < hk; ++hkv) {
-    float* m = states + hkv * per_head;
-    float* l = m + n;
-    float* o = l + n;
-    for (int64_t r = 0; r < n; ++r) {
-      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
-      float tile_max = -kInf;  // (NaN-propagating)
-      for (int64_t j = 0; j < nk; ++j) tile_max = sr[j] > tile_max || sr[j] != sr[j] ? sr[j] : tile_max;
-      if (tile_max == -kInf) {
-        std::fill(sr, sr + kDecodeTile, 0.0f);
-        continue;
-      }
-      const float m_new = std::max(m[r], tile_max);
-      const float alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
-      if (alpha != 1.0f) {
-        for (int64_t x = 0; x < kD; ++x) o[r * kD + x] *= alpha;
-      }
-      const VecF mv = Splat(m_new);
-      VecF sum = VecF{};
-      for (int64_t j = 0; j < kDecodeTile; j += kLanes) {
-        const VecF pr = Exp(Load(sr + j) - mv);  // Exp(-inf) is exactly 0
-        sum += pr;
-        Store(sr + j, pr);
-      }
-      float total = 0.0f;
-      for (int lane = 0; lane < kLanes; ++lane) total += sum[lane];
-      l[r] = l[r] * alpha + total;
-      m[r] = m_new;
-    }
-  }
+  // the online softmax per row
+  TileSoftmax(hk, n, kD, nk, states, s.data());
   // P V, head by head with the output row in registers; a key's P of 0 is skipped
   line = 0;
   for (int64_t hkv = 0; hkv < hk; ++hkv) {
@@ -500,6 +481,70 @@ inline void DotTileHeads(const AttentionParams& p,
     }
     for (; r < n; ++r) {
       AccumulateRows<NV, 1>(sh + r * kDecodeTile, vbase + hkv * kD, hk * kD, nk, o + r * kD);
+    }
+  }
+}
+
+// DotTileHeads for one row per kv head (MHA decode: q_seq 1, group 1), reading K and then V in
+// memory order: key by key, a key's kv heads one after another (the tile's K is nk * hk rows of
+// kD floats back to back). The query rows and the output rows are read from and written to L1
+// for every (key, head) pair instead of held in registers over a head's keys, but the hardware
+// prefetchers follow one sequential stream: a core read K and V at ~33 GB/s here, against ~27 in
+// DotTileHeads' head-by-head order (rows 4 KiB apart), with ~41 for a plain read. (Reducing 16
+// pairs' partial sums together with a transpose-and-add tree instead of one horizontal sum
+// each was slower on this stream: ~23 GB/s for the scores alone, against ~31.) Every score and
+// output row is DotTileHeads': the same dot product (two accumulators over alternate vectors,
+// one shuffle sum), scale, softcap and key order of P V: the same bits.
+template <int NV>
+inline void DotTileKeys(const AttentionParams& p,
+                        const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
+                        int64_t j0, int64_t nk, float* states, std::vector<float>& s) {
+  using namespace decode_detail;
+  const int64_t hk = p.kv_heads;
+  constexpr int64_t kD = NV * kLanes;
+  const int64_t per_head = kD + 2;  // m, l, o[kD]
+  const float* kbase = static_cast<const float*>(p.k) + (b * p.kv_len + j0) * hk * kD;
+  const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * kD;
+  const float scale = p.scale;
+  // the scores of every key of the tile, the ones a row does not see set to -inf below (K's rows
+  // there are read, and lie in the tile anyway)
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      const float* k = kbase + (j * hk + hkv) * kD;
+      const float* q = heads[hkv].q.data();
+      VecF acc0 = VecF{}, acc1 = VecF{};
+      for (int v = 0; v + 1 < NV; v += 2) {
+        acc0 += Load(q + v * kLanes) * Load(k + v * kLanes);
+        acc1 += Load(q + (v + 1) * kLanes) * Load(k + (v + 1) * kLanes);
+      }
+      if (NV % 2 != 0) acc0 += Load(q + (NV - 1) * kLanes) * Load(k + (NV - 1) * kLanes);
+      s[hkv * kDecodeTile + j] = HorizontalSum(acc0 + acc1) * scale;
+    }
+  }
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {
+    const DecodeRows& rows = heads[hkv];
+    const int64_t a = std::clamp<int64_t>(rows.lo[0] - j0, 0, nk);
+    const int64_t e = std::clamp<int64_t>(rows.hi[0] - j0, a, nk);
+    float* sr = s.data() + hkv * kDecodeTile;
+    std::fill(sr, sr + a, -kInf);
+    std::fill(sr + e, sr + kDecodeTile, -kInf);
+    if (p.softcap > 0.0f) {
+      for (int64_t j = a; j < e; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
+    }
+  }
+  TileSoftmax(hk, 1, kD, nk, states, s.data());
+  // P V in memory order; a pair whose P is 0 is skipped (NaN or inf in a value row no row sees
+  // never enters)
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      const float pr = s[hkv * kDecodeTile + j];
+      if (pr == 0.0f) continue;
+      float* o = states + hkv * per_head + 2;
+      const float* v = vbase + (j * hk + hkv) * kD;
+      const VecF pv = Splat(pr);
+      for (int x = 0; x < NV; ++x) {
+        Store(o + x * kLanes, Load(o + x * kLanes) + pv * Load(v + x * kLanes));
+      }
     }
   }
 }
@@ -576,7 +621,11 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
       const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
       if (!gemm) {
-        if (direct && dp == dvp && dp == 8 * kLanes) {
+        if (direct && dp == dvp && n == 1 && dp == 8 * kLanes) {
+          DotTileKeys<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+        } else if (direct && dp == dvp && n == 1 && dp == 4 * kLanes) {
+          DotTileKeys<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+        } else if (direct && dp == dvp && dp == 8 * kLanes) {
           DotTileHeads<8>(p, heads, b, j0, nk, c1, state_of_chunk(b, chunk), s);
         } else if (direct && dp == dvp && dp == 4 * kLanes) {
           DotTileHeads<4>(p, heads, b, j0, nk, c1, state_of_chunk(b, chunk), s);
