@@ -10,8 +10,9 @@ host CPU devices, on real GPUs with the GPU kernels (cuDNN `flash`, attnaux's CU
   and zigzag, causal and not, GQA, segment ids, global lengths, windows, softcap and sink: out,
   lse, max and the gradients (through `aux.lse` too) equal `attnaux.attention(backend="flash")`
   of the whole sequence on one GPU, also with a bottom-right mask and lengths, and with a window
-  on top of it on a Hopper GPU (attnaux's own kernels serve those blocks); dropout is refused,
-  and that window too on other GPUs.
+  on top of it on a Hopper GPU (attnaux's own kernels serve those blocks); dropout runs with
+  `backend="flex"` (blockwise JAX, attnaux's generator: the `reference` call's mask) and is
+  refused on the fused kernels, as is that window on other GPUs.
 
 Skipped without 2 or more GPUs (CI has none). Tolerances: bfloat16 inputs for cuDNN; both sides
 round `out` and the gradients to bfloat16 (1 ulp = 7.8e-3 relative), and the ring merges block
@@ -295,6 +296,27 @@ def test_context_parallel_windows(strategy, layout, options):
     grads, values = jax.jit(cp)(q, k, v)
     want_grads, want = jax.jit(plain)(*one_gpu(q, k, v))
     check(values, grads, want, want_grads)
+
+
+def test_context_parallel_dropout_with_flex_blocks():
+    """`backend="flex"` under context parallelism on GPUs: each block draws its part of the
+    unsharded call's keep-mask (attnaux's generator), so the values and gradients equal the
+    `reference` backend (the same generator) on one GPU with the same key; float32 inputs."""
+    n = COUNTS[-1]
+    q, k, v = inputs(1, 128 * n, 4, 2, 64, dtype=jnp.float32, seed=9)
+    options = dict(causal=True, window=(150, 0), dropout_rate=0.2, key=jax.random.key(4))
+    cp = jax.grad(probe_loss(cp_attend(n, "ring", "zigzag", backend="flex", **options)),
+                  argnums=(0, 1, 2), has_aux=True)
+    plain = jax.grad(probe_loss(lambda q, k, v: ax.attention(q, k, v, backend="reference",
+                                                             **options)),
+                     argnums=(0, 1, 2), has_aux=True)
+    with jax.default_matmul_precision("highest"):  # float32 products, not TF32, both sides
+        grads, values = jax.jit(cp)(q, k, v)
+        want_grads, want = jax.jit(plain)(*one_gpu(q, k, v))
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
+        close(got, expected, 1e-4, name)
+    for g, w, name in zip(grads, want_grads, "qkv"):
+        close(g, w, 1e-4, f"d{name}")
 
 
 @pytest.mark.parametrize("options", [

@@ -42,7 +42,7 @@ import numpy as np
 from ._canon import Canonical, Options
 from ._masking import visibility
 from ._partition import match_vma, unify_vma, vma
-from ._philox import dropout_keep_mask
+from ._philox import keep_at
 
 BLOCK_Q = 512
 BLOCK_K = 512
@@ -329,15 +329,25 @@ def _tile(st: _Static, arrays: Canonical, consts, q0, k0, q_blk, k_blk):
 
 def _dropout_scale(st: _Static, arrays: Canonical, q0, k0, bsz: int, q_heads: int):
     """`keep / (1 - rate)` of a tile, `[B, Hq, BQ, BK]` float32, from attnaux's generator at the
-    tile's global positions (the words of the whole problem's mask; `introspect.dropout_mask`
-    replays it), or 1.0 without dropout."""
+    tile's positions in the whole problem (the words of the whole problem's mask; a 12-word
+    block state gives the call's origin in it and its sizes), or 1.0 without dropout."""
     rate = st.options.dropout_rate
     if rate == 0:
         return 1.0
     bq, bk = st.table.bq, st.table.bk
-    keep = dropout_keep_mask(arrays.rng_state, rate, bsz, q_heads, st.q_seq, st.kv_seq,
-                             columns=k0 + jnp.arange(bk, dtype=jnp.int32),
-                             rows=q0 + jnp.arange(bq, dtype=jnp.int32))
+    state = arrays.rng_state.astype(jnp.uint32)
+    u32 = jnp.uint32
+    if state.shape[0] == 12:  # a block of a larger problem (docs/kernel_abi.md)
+        b0, h0, i0, j0, heads, q_total, kv_total = (state[n] for n in range(4, 11))
+    else:
+        b0 = h0 = i0 = j0 = u32(0)
+        heads, q_total, kv_total = u32(q_heads), u32(st.q_seq), u32(st.kv_seq)
+    b = b0 + jnp.arange(bsz, dtype=u32)
+    h = h0 + jnp.arange(q_heads, dtype=u32)
+    i = i0 + jnp.asarray(q0, u32) + jnp.arange(bq, dtype=u32)
+    j = j0 + jnp.asarray(k0, u32) + jnp.arange(bk, dtype=u32)
+    row = (b[:, None, None, None] * heads + h[None, :, None, None]) * q_total + i[:, None]
+    keep = keep_at(state[:4], rate, row, j[None, None, None, :], kv_total)
     return jnp.where(keep, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
 
 
@@ -558,8 +568,9 @@ def make_flex(st: _Static):
 def run(arrays: Canonical, options: Options, mods: Mods, consts, table: BlockTable):
     """`(out, lse, max)` of the `flex` backend."""
     st = _Static(options, mods, table, arrays.q.shape[1], arrays.k.shape[1])
+    block = arrays.rng_state is not None and arrays.rng_state.shape == (12,)
     others = (arrays.q_seqlens, arrays.kv_seqlens, arrays.q_segment_ids, arrays.kv_segment_ids,
-              arrays.rng_state if options.dropout_rate > 0 else None)
+              arrays.rng_state if options.dropout_rate > 0 or block else None)
     return make_flex(st)(arrays.q, arrays.k, arrays.v, arrays.sink, tuple(consts), others)
 
 

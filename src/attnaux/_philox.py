@@ -53,30 +53,15 @@ def keep_threshold(rate: float) -> np.uint32:
     return np.uint32(min(int(np.floor(rate32 * 2.0**32)), 2**32 - 1))
 
 
-def dropout_keep_mask(
-    rng_state: jax.Array, rate: float, batch: int, heads: int, q_seq: int, kv_seq: int,
-    columns: jax.Array | None = None, rows: jax.Array | None = None,
-) -> jax.Array:
-    """The `bool[batch, heads, q_seq, kv_seq]` keep-mask that the kernels use; with `columns`
-    (`int[n]` key positions) only those columns, `bool[batch, heads, q_seq, n]`; with `rows`
-    (`int[m]` query positions, each below `q_seq`) only those rows, `bool[batch, heads, m, ...]`
-    (a tile of the mask: the same words as the whole mask's)."""
-    n_rows = batch * heads * q_seq
-    if n_rows >= 2**32:
-        raise ValueError(
-            f"dropout over {n_rows} softmax rows (batch * heads * q_seq) exceeds 2**32 rows."
-        )
+def keep_at(rng_state: jax.Array, rate: float, row: jax.Array, col: jax.Array,
+            kv_total) -> jax.Array:
+    """The keep bits of the elements at softmax row `row` (uint32, `(b * Hq + h) * Sq + i` in
+    the whole problem) and key `col` of a problem with `kv_total` keys per row (arrays that
+    broadcast; `kv_total` may be traced): `e = row * kv_total + col` in 64 bits, then the
+    documented counter, key and word (`docs/kernel_abi.md`)."""
     rng_state = jnp.asarray(rng_state, jnp.uint32)
-    if rows is None:
-        row = jnp.arange(n_rows, dtype=jnp.uint32).reshape(batch, heads, q_seq, 1)
-    else:
-        head_row = jnp.arange(batch * heads, dtype=jnp.uint32).reshape(batch, heads, 1, 1)
-        row = head_row * np.uint32(q_seq) + rows.astype(jnp.uint32).reshape(1, 1, -1, 1)
-    if columns is None:
-        columns = jnp.arange(kv_seq, dtype=jnp.uint32)
-    col = columns.astype(jnp.uint32).reshape(1, 1, 1, -1)
-    hi, lo = _mulhilo(row, np.uint32(kv_seq))  # e = row * kv_seq + col, as (hi, lo)
-    e_lo = lo + col
+    hi, lo = _mulhilo(jnp.asarray(row, jnp.uint32), kv_total)
+    e_lo = lo + jnp.asarray(col, jnp.uint32)
     e_hi = hi + (e_lo < lo).astype(jnp.uint32)
     g_lo = (e_lo >> 2) | (e_hi << 30)
     g_hi = e_hi >> 2
@@ -84,3 +69,21 @@ def dropout_keep_mask(
     lane = e_lo & 3
     word = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])
     return word >= keep_threshold(rate)
+
+
+def dropout_keep_mask(
+    rng_state: jax.Array, rate: float, batch: int, heads: int, q_seq: int, kv_seq: int,
+    columns: jax.Array | None = None,
+) -> jax.Array:
+    """The `bool[batch, heads, q_seq, kv_seq]` keep-mask that the kernels use; with `columns`
+    (`int[n]` key positions) only those columns, `bool[batch, heads, q_seq, n]`."""
+    rows = batch * heads * q_seq
+    if rows >= 2**32:
+        raise ValueError(
+            f"dropout over {rows} softmax rows (batch * heads * q_seq) exceeds 2**32 rows."
+        )
+    row = jnp.arange(rows, dtype=jnp.uint32).reshape(batch, heads, q_seq, 1)
+    if columns is None:
+        columns = jnp.arange(kv_seq, dtype=jnp.uint32)
+    col = columns.astype(jnp.uint32).reshape(1, 1, 1, -1)
+    return keep_at(rng_state, rate, row, col, np.uint32(kv_seq))

@@ -284,6 +284,38 @@ def test_moving_window_on_the_hopper_kernels(case, monkeypatch):
         close(g, w, GRAD_TOL, f"d{name}")
 
 
+# Dropout at global positions with `backend="flex"` (the blockwise JAX path as the block backend:
+# what serves dropout on GPU) and the CPU kernels, also where a bottom-right mask with lengths
+# runs the blocks row by row (each row's call then carries its batch row in the dropout origin).
+DROPOUT_CASES = {
+    "ring-zigzag-causal-window-dropout": (
+        "ring", "zigzag", dict(causal=True, window=(20, 0), dropout_rate=0.25), {}),
+    "allgather-contiguous-bottom-right-lengths-segments-dropout": (
+        "allgather", "contiguous", dict(causal="bottom_right", dropout_rate=0.1, softcap=3.0),
+        dict(q_segment_ids=np.repeat(np.arange(4), 16)[None].repeat(B, 0),
+             q_seqlens=[64, 40], kv_seqlens=[37, 64])),
+}
+
+
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=list(DROPOUT_CASES))
+def test_block_backends_draw_the_unsharded_mask(case, backend):
+    strategy, layout, options, arrays = DROPOUT_CASES[case]
+    arrays = {name: jnp.asarray(x, jnp.int32) for name, x in arrays.items()}
+    if "q_segment_ids" in arrays:
+        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    arrays["key"] = jax.random.key(11)
+    q, k, v = inputs(8)
+    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, backend=backend, **options)
+    grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
+    want_grads, want = grads_and_values(
+        lambda q, k, v, a: reference(q, k, v, a, **options), arrays)(q, k, v)
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
+        close(got, expected, OUT_TOL, name)
+    for g, w, name in zip(grads, want_grads, "qkv"):
+        close(g, w, GRAD_TOL, f"d{name}")
+
+
 @pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
 def test_dropout_mask_is_the_unsharded_one(strategy, layout):
     q, k, v = inputs(3)

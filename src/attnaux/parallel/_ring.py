@@ -97,12 +97,13 @@ def _chunks(x: jax.Array, num_devices: int, axis: int) -> list[jax.Array]:
 # One (query chunk, key chunk) block
 # ------------------------------------------------------------------------------------------------
 def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, k0, totals,
-                  shift):
+                  shift, b0=0):
     """The canonical arrays of the block whose queries start at global position `q0` and keys
     at `k0` (dynamic): the global lengths cut to the block, and the 12-word block state
     (`docs/kernel_abi.md`) with the block's origin (the dropout counter) and its diagonal shift
     (`q0 - k0`, plus `kv_len - q_len` of the row for a bottom-right mask with lengths: the causal
-    and window rules at global positions)."""
+    and window rules at global positions). `b0`: the first batch row's index (a call of one row
+    of the batch: `_rows`)."""
     bsz, q_chunk = q.shape[:2]
     kv_chunk = k.shape[1]
     if cfg.has_seqlens:
@@ -114,7 +115,7 @@ def _block_arrays(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, q0, 
     heads, q_total, kv_total = totals
     seed = jnp.zeros((4,), jnp.uint32) if rng is None else rng.astype(jnp.uint32)
     shift = jax.lax.bitcast_convert_type(jnp.asarray(shift, jnp.int32), jnp.uint32)
-    words = jnp.stack([jnp.uint32(0), jnp.uint32(0), q0.astype(jnp.uint32),
+    words = jnp.stack([jnp.asarray(b0).astype(jnp.uint32), jnp.uint32(0), q0.astype(jnp.uint32),
                        k0.astype(jnp.uint32), jnp.uint32(heads), jnp.uint32(q_total),
                        jnp.uint32(kv_total), shift])
     state = jnp.concatenate([seed, words])
@@ -395,19 +396,20 @@ def _block_backward(cfg: _Config, shift, chunk: int, num_chunks: int, arrays: Ca
 
 
 def _rows(cfg: _Config, fn, args, q_len, kv_len, total: int):
-    """`fn(*args, shift_extra)` on the whole batch, or, for a bottom-right mask with lengths
-    (whose diagonal is `kv_len - q_len` of each row), row by row: the block state holds one
-    shift per call. `args` all have the batch leading."""
+    """`fn(*args, shift_extra, first_row)` on the whole batch, or, for a bottom-right mask with
+    lengths (whose diagonal is `kv_len - q_len` of each row), row by row: the block state holds
+    one shift per call, and each call its row's index (the dropout counter's batch origin).
+    `args` all have the batch leading."""
     if not cfg.bottom_right_lengths:
-        return fn(*args, 0)
+        return fn(*args, 0, 0)
     extra = jnp.clip(kv_len, 0, total) - jnp.clip(q_len, 0, total)
 
     def one(xs):
-        *row, e = xs
-        outs = fn(*(None if a is None else a[None] for a in row), e)
+        *row, e, b = xs
+        outs = fn(*(None if a is None else a[None] for a in row), e, b)
         return tuple(o[0] for o in outs)
 
-    return jax.lax.map(one, (*args, extra))
+    return jax.lax.map(one, (*args, extra, jnp.arange(extra.shape[0], dtype=jnp.int32)))
 
 
 def _merge(acc, part):
@@ -467,10 +469,10 @@ def _ring_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_len, kv_len, rng, sink
             for ki, k_id in enumerate(ids(src)):
                 q0, k0 = q_id * chunk, k_id * chunk
 
-                def block(qp, kp, vp, qs, ks, ql, kl, extra, q0=q0, k0=k0):
+                def block(qp, kp, vp, qs, ks, ql, kl, extra, b0, q0=q0, k0=k0):
                     shift = q0 - k0 + extra
                     arrays = _block_arrays(cfg, qp, kp, vp, qs, ks, ql, kl, rng, q0, k0, totals,
-                                           shift)
+                                           shift, b0)
                     return _block_forward(cfg, shift, chunk, n * chunks, arrays)
 
                 args = (q_parts[qi], k_parts[ki], v_parts[ki],
@@ -541,10 +543,11 @@ def _ring_backward(cfg: _Config, residuals, dout, dlse):
             for ki, k_id in enumerate(ids(src)):
                 q0, k0 = q_id * chunk, k_id * chunk
 
-                def block(qp, kp, vp, qs, ks, ql, kl, out, lse, dout, dlse, extra, q0=q0, k0=k0):
+                def block(qp, kp, vp, qs, ks, ql, kl, out, lse, dout, dlse, extra, b0, q0=q0,
+                          k0=k0):
                     shift = q0 - k0 + extra
                     arrays = _block_arrays(cfg, qp, kp, vp, qs, ks, ql, kl, rng, q0, k0, totals,
-                                           shift)
+                                           shift, b0)
                     return _block_backward(cfg, shift, chunk, n * chunks, arrays, out, lse,
                                            dout, dlse)
 
@@ -637,13 +640,18 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # Public entry points
 # ------------------------------------------------------------------------------------------------
 def _backend_module(backend: str, platform: str):
-    """The flash backend of `platform` with a block backward: the C++ kernels on CPU, cuDNN on
-    GPU."""
-    if backend not in ("auto", "flash"):
+    """The backend of the block calls: for `auto`/`flash` the flash backend of `platform` (the
+    C++ kernels on CPU, cuDNN on GPU); `flex`, the blockwise JAX path on any platform (it
+    follows the block state: dropout on GPU)."""
+    if backend not in ("auto", "flash", "flex"):
         raise ValueError(
-            f"`backend` must be 'auto' or 'flash' for context parallelism (the ring runs the "
-            f"compiled flash kernels block by block); got {backend!r}."
+            f"`backend` must be 'auto', 'flash' or 'flex' for context parallelism (the ring runs "
+            f"the compiled flash kernels, or flex, block by block); got {backend!r}."
         )
+    if backend == "flex":
+        from .. import _flex_blocks
+
+        return _flex_blocks
     if platform == "cpu":
         from .. import _flash_cpu as module
 
@@ -671,7 +679,8 @@ def _moving_band_module(arrays: Canonical):
             "a `window` with a bottom-right mask and lengths is not supported by context "
             "parallelism on this GPU: the diagonal moves per row by data, and cuDNN's window "
             "bounds are static per graph (a bottom-right mask with lengths is served without a "
-            f"window, and windows with every other mask); attnaux's Hopper kernels would: {why}."
+            "window, and windows with every other mask); attnaux's Hopper kernels would, but "
+            f"{why}. `backend='flex'` serves it (blockwise JAX, slower)."
         )
     return _hopper_packed
 
@@ -724,7 +733,8 @@ def ring_attention(
     - `q_seqlens`, `kv_seqlens`: global valid lengths `[*batch]` (the same on every device).
     - `q_segment_ids`, `kv_segment_ids`: this device's block of the global ids `[*batch,
       seq_block]`.
-    - `backend`: `"auto"` or `"flash"` (the compiled kernels).
+    - `backend`: `"auto"` or `"flash"` (the compiled kernels), or `"flex"` (blockwise JAX on
+      any platform, exact and slower: what serves dropout on GPU).
 
     **Returns:**
 
@@ -778,9 +788,10 @@ def ring_attention(
     if not getattr(module, "FOLLOWS_BLOCK_STATE", True):
         if options.dropout_rate > 0:
             raise ValueError(
-                "dropout is not supported by context parallelism on GPU: cuDNN's dropout "
-                "generator is static per graph and cannot draw a block's part of the whole "
-                "problem's mask (the CPU kernels take the block's origin)."
+                "dropout with context parallelism on GPU needs `backend='flex'` (blockwise JAX, "
+                "exact, slower than the fused kernels): cuDNN's dropout generator is static per "
+                "graph and cannot draw a block's part of the whole problem's mask (the CPU "
+                "kernels and flex take the block's origin)."
             )
         windowed = options.window_left >= 0 or options.window_right >= 0
         if options.causal == 2 and has_lengths and windowed:
@@ -801,7 +812,8 @@ def ring_attention(
     aux = AttnAux(
         lse=lse.reshape((*batch, *lse.shape[1:])),
         max=jax.lax.stop_gradient(row_max.reshape((*batch, *row_max.shape[1:]))),
-        probs=None, rng_state=arrays.rng_state, backend="flash", dropout_impl="attnaux",
+        probs=None, rng_state=arrays.rng_state,
+        backend="flex" if backend == "flex" else "flash", dropout_impl="attnaux",
     )
     return out.reshape((*batch, *out.shape[1:])), aux
 
