@@ -133,6 +133,7 @@ MOD_CASES = {
     "document_mask_softcap": lambda p: dict(
         softcap=8.0, mask_mod=lambda b, h, i, j: DOCS[i] == DOCS[j]),
     "prefix_lm_sliding_window_sink": lambda p: dict(
+        sink=p["sink"],  # added after the kernels
         mask_mod=lambda b, h, i, j: (j < 16) | ((j <= i) & (i - j < 64)),
         score_mod=lambda s, b, h, i, j: s + p["bias_q"][i] - p["bias_k"][j]),
     "integer_ops_bottom_right": lambda p: dict(
@@ -146,7 +147,8 @@ def _params():
     keys = jax.random.split(jax.random.key(5), 3)
     return {"slopes": SLOPES, "gate": jnp.asarray([1.0, 0.5, 2.0, 1.5]),
             "bias_q": 0.3 * jax.random.normal(keys[0], (S,)),
-            "bias_k": 0.3 * jax.random.normal(keys[1], (S,))}
+            "bias_k": 0.3 * jax.random.normal(keys[1], (S,)),
+            "sink": jnp.asarray([0.5, -1.0, 2.0, 0.0])}
 
 
 def _mods_run(make, backend, q, k, v, w, u, params):

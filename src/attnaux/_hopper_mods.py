@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import _flash_hopper as hopper
+from ._kernel_call import add_sink
 from ._score_program import (
     CONST_WORDS,
     HEADER_WORDS,
@@ -364,8 +365,6 @@ def unavailable(problem) -> str | None:
         return "q_seqlens/kv_seqlens are not served by the Hopper kernels yet"
     if arrays.q_segment_ids is not None or arrays.kv_segment_ids is not None:
         return "segment ids are not served by the Hopper kernels yet"
-    if arrays.sink is not None:
-        return "sink is not served by the Hopper kernels yet"
     if options.dropout_rate > 0:
         return "the Hopper kernels draw no dropout mask"
     return None
@@ -468,4 +467,7 @@ def run(arrays, options, sp: Split | None, tables, tiles):
                        range_tables(tiles, n_q64, n_k64, config.block_kv, group))
     st = Static(sp, options.softcap or None, options.scale,
                 geometry_of(options, q_seq, kv_seq), config, packed)
-    return _kernel_call(st, q, k, v, rows, cols)
+    out, lse, row_max = _kernel_call(st, q, k, v, rows, cols)
+    if arrays.sink is not None:  # after the kernels, exactly; JAX differentiates it
+        out, lse = add_sink(out, lse, arrays.sink)
+    return out, lse, row_max
