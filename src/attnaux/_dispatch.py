@@ -61,16 +61,16 @@ HOPPER_PACKED = Implementation(
 GPU_PACKED_ON_HOPPER = True
 """Whether GPU `flash` serves segment ids on attnaux's Hopper kernels (`_hopper_packed`: per-tile
 visiting ranges from the segments, no mask materialised) where they can, instead of cuDNN with
-the segments as a dense `[B, 1, q_seq, kv_seq]` mask. Measured on an H100 with
-`benchmarks/varlen_gpu.py` on an H200 (docs/performance.md, "Packed sequences"): at T = 16384
-with 16 causal documents, 16 heads x 128, bf16, the forward took 0.25 ms on the Hopper kernels,
-where the dense mask had measured 5.0 ms on an H100 (issue 22)."""
+the segments as a dense `[B, 1, q_seq, kv_seq]` mask. Measured with `benchmarks/varlen_gpu.py`
+(docs/performance.md, "segment ids on attnaux's Hopper kernels"): at T = 16384 with 16 causal
+documents, 16 heads x 128, bf16, the forward took 0.24 ms on an H200, where the dense mask had
+taken 4.9 ms on an H100."""
 GPU_VARLEN_PREFERS_HOPPER = False
 """Whether `varlen_attention` on GPU `flash` takes attnaux's Hopper kernels before cuDNN's ragged
-layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H200, causal, 16 heads x 128, bf16):
-cuDNN's ragged layout was 1.2-1.5x faster forward and 1.2-1.3x forward+backward (FA3 / ragged
-0.72-0.80x forward, 0.77-0.83x forward+backward; FA3 / Hopper kernels 0.49-0.67x, 0.61-0.66x).
-The Hopper kernels serve what the ragged layout cannot."""
+layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H200, causal, 16 heads x 128, bf16,
+4-64 documents): cuDNN's ragged layout was 1.2-2.1x faster forward and 1.3-1.6x
+forward+backward (FA3 / ragged 0.70-0.75x forward, 0.76-0.82x forward+backward; FA3 / Hopper
+kernels 0.35-0.64x, 0.53-0.63x). The Hopper kernels serve what the ragged layout cannot."""
 SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
 """Whether a backend can fill `aux.probs` (on every platform)."""
 SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
