@@ -571,7 +571,8 @@ def test_health_counts_against_numpy():
     np.testing.assert_allclose(rep.mean_entropy, want_ent, **TOL)
     np.testing.assert_array_equal(rep.masked, [4, 4, 4, 4])
     np.testing.assert_array_equal(rep.nonfinite, [0, 0, 0, 0])
-    want_sat = [np.sum((lse64[:, h] - max64[:, h] < 0.01) & seen[:, h]) for h in range(4)]
+    gap = np.where(seen, lse64, 0.0) - np.where(seen, max64, 0.0)  # (rows seeing nothing: 0)
+    want_sat = [np.sum((gap[:, h] < 0.01) & seen[:, h]) for h in range(4)]
     np.testing.assert_array_equal(rep.saturated, want_sat)
     assert min(want_sat) >= 2  # causal row 0 sees one key in each batch element
     mapped = jax.vmap(ai.health)(aux)
