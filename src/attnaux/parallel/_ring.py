@@ -19,7 +19,10 @@ statistics), so `out`, `lse` and `max` are exact. The backward is a ring too: ea
 backward kernel run with the whole problem's `out` and `lse` (`block_backward` of the backend),
 exact, with the gradient through `aux.lse`. Dropout draws the unsharded call's keep-mask: each
 block's kernel gets its origin in the whole problem (the 12-word dropout state of
-`docs/kernel_abi.md`; the CPU kernels only).
+`docs/kernel_abi.md`): the CPU kernels, and on any platform `backend="flex"` (the blockwise JAX
+path, `_flex_blocks`), which serves dropout on GPU. On a Hopper GPU, attnaux's own kernels
+(`_hopper_packed`, which follow the block state too) serve a window with a bottom-right mask and
+lengths, whose band cuDNN's static masks cannot place.
 """
 
 import functools
