@@ -18,7 +18,9 @@ import numpy as np
 from attnaux import _flash_hopper as fh
 
 
-def _dense(q, k, v, infos, scale, softcap, geometry):
+def _scores(q, k, v, infos, scale, softcap, geometry):
+    """`(visible, s, tanh or None, q, k, v)`: the scores after scale and softcap (float32, not
+    masked) and the operands in float32, k and v repeated over their query heads."""
     q_info, kv_info = infos
     visible = fh._packed_visible(geometry, q_info[:, 0, :, None], q_info[:, 1, :, None],
                                  kv_info[:, 0, None, :], kv_info[:, 1, None, :])[:, None]
@@ -26,8 +28,15 @@ def _dense(q, k, v, infos, scale, softcap, geometry):
     qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
     kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
+    th = None
     if softcap is not None:
-        s = jnp.tanh(s / softcap) * softcap
+        th = jnp.tanh(s / softcap)
+        s = th * softcap
+    return visible, s, th, qf, kf, vf
+
+
+def _dense(q, k, v, infos, scale, softcap, geometry):
+    visible, s, _, _, _, vf = _scores(q, k, v, infos, scale, softcap, geometry)
     s = jnp.where(visible, s, -jnp.inf)
     m = s.max(-1)
     seen = jnp.isfinite(m)
@@ -51,17 +60,8 @@ def fake_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap, 
                   tile_fn, config, tables=None, infos=None):
     """As the kernels: P from the given `lse` (a block of a larger problem gets the whole
     problem's, so P is its share), dS = P * (dP - (rowsum(dO * O) - dlse))."""
-    q_info, kv_info = infos
-    visible = fh._packed_visible(geometry, q_info[:, 0, :, None], q_info[:, 1, :, None],
-                                 kv_info[:, 0, None, :], kv_info[:, 1, None, :])[:, None]
+    visible, s, th, qf, kf, vf = _scores(q, k, v, infos, scale, softcap, geometry)
     group = q.shape[2] // k.shape[2]
-    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
-    kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
-    th = None
-    if softcap is not None:
-        th = jnp.tanh(s / softcap)
-        s = th * softcap
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # rows that see nothing: P = 0
     p = jnp.where(visible, jnp.exp(s - lse_safe[..., None]), 0.0)
     do = dout.astype(jnp.float32)

@@ -197,6 +197,25 @@ def test_options_at_global_positions(case, strategy, layout):
         close(g, w, GRAD_TOL, f"d{name}")
 
 
+def check_case(case, seed, **extra):
+    """A context-parallel case `(strategy, layout, options, arrays)` on 4 devices against the
+    unsharded call: out, lse, max and the gradients."""
+    strategy, layout, options, arrays = case
+    arrays = {name: jnp.asarray(x, jnp.int32) for name, x in arrays.items()}
+    if "q_segment_ids" in arrays:
+        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    arrays.update(extra.pop("arrays", {}))
+    q, k, v = inputs(seed)
+    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, **extra, **options)
+    grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
+    want_grads, want = grads_and_values(
+        lambda q, k, v, a: reference(q, k, v, a, **options), arrays)(q, k, v)
+    for got, expected, name in zip(values, want, ("out", "lse", "max")):
+        close(got, expected, OUT_TOL, name)
+    for g, w, name in zip(grads, want_grads, "qkv"):
+        close(g, w, GRAD_TOL, f"d{name}")
+
+
 # The static calls that serve a backend whose masks are graph attributes (cuDNN on GPU: each
 # block one call chosen by its diagonal shift, a window band or a slice of the block), run here
 # on the CPU kernels made to take them (`FOLLOWS_BLOCK_STATE = False`: the block state's shift
@@ -229,19 +248,7 @@ def test_static_mask_calls_equal_the_unsharded_call(case, monkeypatch):
     from attnaux import _flash_cpu
 
     monkeypatch.setattr(_flash_cpu, "FOLLOWS_BLOCK_STATE", False, raising=False)
-    strategy, layout, options, arrays = STATIC_CASES[case]
-    arrays = {name: jnp.asarray(x, jnp.int32) for name, x in arrays.items()}
-    if "q_segment_ids" in arrays:
-        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
-    q, k, v = inputs(6)
-    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, **options)
-    grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
-    want_grads, want = grads_and_values(
-        lambda q, k, v, a: reference(q, k, v, a, **options), arrays)(q, k, v)
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, OUT_TOL, name)
-    for g, w, name in zip(grads, want_grads, "qkv"):
-        close(g, w, GRAD_TOL, f"d{name}")
+    check_case(STATIC_CASES[case], 6)
 
 
 # A window with a bottom-right mask and lengths, which cuDNN's static calls cannot place (the
@@ -268,20 +275,8 @@ def test_moving_window_on_the_hopper_kernels(case, monkeypatch):
     from attnaux.parallel import _ring
 
     monkeypatch.setattr(_ring, "_backend_module", lambda backend, platform: _hopper_packed)
-    strategy, layout, options, arrays = HOPPER_CASES[case]
-    arrays = {name: jnp.asarray(x, jnp.int32) for name, x in arrays.items()}
-    if "q_segment_ids" in arrays:
-        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
-    q, k, v = inputs(7)
     with emulated_kernels():
-        fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, **options)
-        grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
-    want_grads, want = grads_and_values(
-        lambda q, k, v, a: reference(q, k, v, a, **options), arrays)(q, k, v)
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, OUT_TOL, name)
-    for g, w, name in zip(grads, want_grads, "qkv"):
-        close(g, w, GRAD_TOL, f"d{name}")
+        check_case(HOPPER_CASES[case], 7)
 
 
 # Dropout at global positions with `backend="flex"` (the blockwise JAX path as the block backend:
@@ -300,20 +295,8 @@ DROPOUT_CASES = {
 @pytest.mark.parametrize("backend", ["flex", "flash"])
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=list(DROPOUT_CASES))
 def test_block_backends_draw_the_unsharded_mask(case, backend):
-    strategy, layout, options, arrays = DROPOUT_CASES[case]
-    arrays = {name: jnp.asarray(x, jnp.int32) for name, x in arrays.items()}
-    if "q_segment_ids" in arrays:
-        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
-    arrays["key"] = jax.random.key(11)
-    q, k, v = inputs(8)
-    fn, arrays = run_cp(4, strategy, layout, q, k, v, arrays, backend=backend, **options)
-    grads, values = jax.jit(grads_and_values(fn, arrays))(q, k, v)
-    want_grads, want = grads_and_values(
-        lambda q, k, v, a: reference(q, k, v, a, **options), arrays)(q, k, v)
-    for got, expected, name in zip(values, want, ("out", "lse", "max")):
-        close(got, expected, OUT_TOL, name)
-    for g, w, name in zip(grads, want_grads, "qkv"):
-        close(g, w, GRAD_TOL, f"d{name}")
+    check_case(DROPOUT_CASES[case], 8, backend=backend,
+               arrays=dict(key=jax.random.key(11)))
 
 
 @pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
