@@ -130,11 +130,24 @@ inline void AxpyBf16(float, const uint16_t*, float*, int64_t) {}
 // C[keys][lanes] = K[keys][depth] B[depth][lanes] with K rows `row_step` floats apart (a
 // compile-time row step for the register-blocked product): staged rows (64, 128, 256) or, read
 // in place, a key's rows of every kv head (kv heads x head dim). False for another step.
+// One vector of lanes with rows 4 KiB or more apart: blocks of kKeyBlock keys instead of
+// GemmLanes' 16 (16 rows 4 KiB apart share one set of the 12-way L1, so each broadcast missed
+// it); every element's sum is the same chain of FMAs over the depth: the same bits.
+inline constexpr int kKeyBlock = 8;
 inline bool GemmKeyRows(int64_t row_step, int64_t rows, int64_t depth, const float* k,
                         const float* b, int64_t ldb, int64_t width, float* c, int64_t ldc) {
   switch (row_step) {
-#define ATTNAUX_KEY_ROWS(STEP) \
-  case STEP: GemmLanes<STEP>(rows, depth, k, 1, b, ldb, width, c, ldc, false); return true;
+#define ATTNAUX_KEY_ROWS(STEP)                                                              \
+  case STEP:                                                                                \
+    if (STEP >= 1024 && width == 1 && rows % kKeyBlock == 0) {                              \
+      for (int64_t i = 0; i < rows; i += kKeyBlock) {                                       \
+        MicroKernel<kKeyBlock, 1, STEP, false>(depth, k + i * STEP, 1, b, ldb, c + i * ldc, \
+                                               ldc, false, GemmFuse{});                     \
+      }                                                                                     \
+      return true;                                                                          \
+    }                                                                                       \
+    GemmLanes<STEP>(rows, depth, k, 1, b, ldb, width, c, ldc, false);                       \
+    return true;
     ATTNAUX_KEY_ROWS(64)
     ATTNAUX_KEY_ROWS(128)
     ATTNAUX_KEY_ROWS(256)
@@ -598,10 +611,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       std::fill(m, m + n, -kInf);
       std::fill(m + n, m + per_head, 0.0f);
     }
-    std::vector<float> kstage(kDecodeTile * dp, 0.0f), vstage(kDecodeTile * dvp, 0.0f);
-    if (!direct) {  // every kv head's rows of a tile
-      kstage.assign(hk * kDecodeTile * dp, 0.0f);
-      vstage.assign(hk * kDecodeTile * dvp, 0.0f);
+    // every kv head's rows of a tile when converted (the dot path's DotTile), or one row's
+    // (direct); the products' stage only once a tile is not read in place (most tasks never
+    // convert one: 2 x 256 KiB zeroed per task otherwise)
+    std::vector<float> kstage, vstage;
+    if (!gemm) {
+      kstage.assign((direct ? 1 : hk) * kDecodeTile * dp, 0.0f);
+      vstage.assign((direct ? 1 : hk) * kDecodeTile * dvp, 0.0f);
     }
     std::vector<float> s(hk * n * kDecodeTile);
     // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head
@@ -655,10 +671,15 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       const int64_t k_step = in_place ? hk * d : dp, v_step = in_place ? hk * dv : dvp;
       std::vector<char> bad(hk, 0);
       if (in_place) {  // V's rows in memory order; one look at the lanes per kv head
+        // K's rows are asked for (into L2) in the same memory-order pass: the products read
+        // them head by head, 4 KiB apart, which the prefetchers follow poorly
         const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * dv;
+        const char* kbytes = static_cast<const char*>(p.k) + (b * p.kv_len + j0) * hk * d * 4;
         finite_sums.assign(hk, VecF{});
         for (int64_t j = 0; j < nk; ++j) {
           for (int64_t hkv = 0; hkv < hk; ++hkv) {
+            const char* krow = kbytes + (j * hk + hkv) * d * 4;
+            for (int64_t x = 0; x < d * 4; x += 64) __builtin_prefetch(krow + x, 0, 2);
             const float* row = vbase + (j * hk + hkv) * dv;
             VecF acc = finite_sums[hkv];
             for (int64_t e = 0; e < dvp; e += kLanes) acc += Load(row + e) * 0.0f;
@@ -669,7 +690,10 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           for (int lane = 0; lane < kLanes; ++lane) bad[hkv] |= finite_sums[hkv][lane] != 0.0f;
         }
       } else {
-        if (nk < kDecodeTile) {
+        if (kstage.empty()) {
+          kstage.assign(hk * kDecodeTile * dp, 0.0f);
+          vstage.assign(hk * kDecodeTile * dvp, 0.0f);
+        } else if (nk < kDecodeTile) {
           std::fill(kstage.begin(), kstage.end(), 0.0f);
           std::fill(vstage.begin(), vstage.end(), 0.0f);
         }
