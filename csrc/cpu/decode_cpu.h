@@ -41,8 +41,7 @@ inline constexpr int64_t kDecodeChunk = 2048;  // keys per task (fixed: thread-i
 inline constexpr int64_t kDecodeTile = 64;     // keys converted and scored at a time
 inline constexpr int64_t kDecodeGemmRows = 8;  // rows per kv head from which S is a GEMM
 inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V
-inline constexpr int64_t kPrefetchStride = 4096;  // bytes between DotTileHeads' prefetches
-inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys asks for ahead of its reads
+inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys/DotTileRows ask for ahead
 
 inline bool DecodeApplies(const AttentionParams& p) {
   return p.q_len >= 1 && p.q_len <= kDecodeMaxQ && p.group() * p.q_len <= kDecodeMaxRows &&
@@ -362,6 +361,14 @@ inline void DotTile(const AttentionParams& p, const std::vector<decode_detail::D
   }
 }
 
+// Whether rows r .. r + count - 1 see the same keys.
+inline bool SameKeys(const decode_detail::DecodeRows& rows, int64_t r, int64_t count) {
+  for (int64_t i = 1; i < count; ++i) {
+    if (rows.lo[r + i] != rows.lo[r] || rows.hi[r + i] != rows.hi[r]) return false;
+  }
+  return true;
+}
+
 // The scores of R rows (r.. r + R - 1, the same keys) against keys [j0, j0 + nk) of kv head hkv,
 // K rows of NV whole vectors read in place (a key's kv heads contiguous); sr: R rows of
 // kDecodeTile scores. Each key row is loaded once for the R dot products; every row's arithmetic
@@ -432,83 +439,88 @@ inline void AccumulateRows(const float* sr, const float* vbase, int64_t v_step, 
   }
 }
 
-// DotTile for float32 rows of NV whole vectors read in place: head by head, the query row and
-// then the output row held in registers over the tile's keys (DotTile loads and stores a key's
-// output row for every key). A head's rows are H * D apart; the whole next tile's K (then V) is
-// asked into L2 in memory order meanwhile, so these reads come from L2. The arithmetic is
-// DotTile's (Dot's two accumulators and shuffle sum, Axpy in key order): the same bits.
+// DotTile for float32 rows of NV whole vectors read in place, a few rows per kv head (GQA, or
+// several query positions): K and then V in memory order, key by key, a key's kv heads one after
+// another, as DotTileKeys, each row's lines kStreamAhead bytes further on asked for
+// (non-temporal); a key row is loaded once for up to 4 rows' dot products (rows that see the
+// same keys; the query rows from L1) and a value row once for 2 rows' outputs (read from and
+// written to L1). Head by head instead (rows 4 KiB apart, the next tile asked into L2 one line
+// per page, two rows per key load) a core read ~14.5 GB/s of K and V (n 4, d 128, 2 threads
+// ~29); this order ~20. The arithmetic is DotTile's (Dot's two accumulators and shuffle sum,
+// Axpy in key order): the same bits.
 template <int NV>
-inline void DotTileHeads(const AttentionParams& p,
+inline void DotTileRows(const AttentionParams& p,
                          const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
-                         int64_t j0, int64_t nk, int64_t c1, float* states, std::vector<float>& s) {
+                         int64_t j0, int64_t nk, float* states, std::vector<float>& s) {
   using namespace decode_detail;
   const int64_t n = p.group() * p.q_len, hk = p.kv_heads;
   constexpr int64_t kD = NV * kLanes;
   const int64_t per_head = n * (kD + 2);
   const float* kbase = static_cast<const float*>(p.k) + (b * p.kv_len + j0) * hk * kD;
   const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * kD;
-  // the next tile (within this task's keys): one line per 4 KiB page into L2, spread over this
-  // tile's rows; L2's streamer fetches the rest of each page. (Every line asked for by software
-  // held the core to ~12 GB/s, each prefetch waiting for a fill buffer; this gets ~15, as much
-  // as a plain sequential read.)
-  const int64_t next = std::max<int64_t>(std::min(c1 - (j0 + nk), kDecodeTile), 0);
-  const int64_t next_lines = next * hk * kD * 4 / kPrefetchStride;
-  const int64_t per_step = CeilDiv(next_lines, std::max<int64_t>(hk * nk, 1));
-  const char* knext = reinterpret_cast<const char*>(kbase + nk * hk * kD);
-  const char* vnext = reinterpret_cast<const char*>(vbase + nk * hk * kD);
-  std::fill(s.begin(), s.end(), -kInf);
-  int64_t line = 0;
+  // the row kStreamAhead bytes after row `at` of K (or V), or this batch row's last
+  const int64_t last_row = (p.kv_len - j0) * hk - 1;
+  auto ask_ahead = [&](const float* base, int64_t at) {
+    const int64_t ahead = std::min<int64_t>(at + kStreamAhead / (kD * 4), last_row);
+    const char* row = reinterpret_cast<const char*>(base + ahead * kD);
+    for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, 0);
+  };
+  // each kv head's rows in runs of 4, 2 or 1 that see the same keys: (first row, count)
+  std::vector<std::pair<int64_t, int>> runs;
+  std::vector<int64_t> first_run(hk + 1, 0);
   for (int64_t hkv = 0; hkv < hk; ++hkv) {
-    const DecodeRows& rows = heads[hkv];
-    for (int64_t j = 0; j < nk; ++j) {
-      for (int64_t e = 0; e < per_step && line < next_lines; ++e, ++line) {
-        __builtin_prefetch(knext + line * kPrefetchStride, 0, 2);
+    first_run[hkv] = static_cast<int64_t>(runs.size());
+    for (int64_t r = 0; r < n;) {
+      const int count = r + 3 < n && SameKeys(heads[hkv], r, 4) ? 4
+                        : r + 1 < n && SameKeys(heads[hkv], r, 2) ? 2 : 1;
+      runs.emplace_back(r, count);
+      r += count;
+    }
+  }
+  first_run[hk] = static_cast<int64_t>(runs.size());
+  std::fill(s.begin(), s.end(), -kInf);  // (keys a row does not see stay -inf)
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* kkey = kbase + j * hk * kD;
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      ask_ahead(kbase, j * hk + hkv);
+      const DecodeRows& rows = heads[hkv];
+      for (int64_t u = first_run[hkv]; u < first_run[hkv + 1]; ++u) {
+        const int64_t r = runs[u].first;
+        float* sr = s.data() + (hkv * n + r) * kDecodeTile + j;
+        switch (runs[u].second) {
+          case 4: ScoreRows<NV, 4>(p, rows, r, hkv, hk, j0 + j, 1, kkey, sr); break;
+          case 2: ScoreRows<NV, 2>(p, rows, r, hkv, hk, j0 + j, 1, kkey, sr); break;
+          default: ScoreRows<NV, 1>(p, rows, r, hkv, hk, j0 + j, 1, kkey, sr); break;
+        }
       }
-    }
-    int64_t r = 0;
-    // Two rows with the same keys (GQA rows of one query position) at a time: each key row is
-    // loaded once for both dot products.
-    for (; r + 1 < n && rows.lo[r] == rows.lo[r + 1] && rows.hi[r] == rows.hi[r + 1]; r += 2) {
-      ScoreRows<NV, 2>(p, rows, r, hkv, hk, j0, nk, kbase,
-                        s.data() + (hkv * n + r) * kDecodeTile);
-    }
-    for (; r < n; ++r) {
-      ScoreRows<NV, 1>(p, rows, r, hkv, hk, j0, nk, kbase,
-                        s.data() + (hkv * n + r) * kDecodeTile);
     }
   }
   // the online softmax per row
   TileSoftmax(hk, n, kD, nk, states, s.data());
-  // P V, head by head with the output row in registers; a key's P of 0 is skipped
-  line = 0;
-  for (int64_t hkv = 0; hkv < hk; ++hkv) {
-    for (int64_t j = 0; j < nk; ++j) {
-      for (int64_t e = 0; e < per_step && line < next_lines; ++e, ++line) {
-        __builtin_prefetch(vnext + line * kPrefetchStride, 0, 2);
-      }
-    }
-    float* o = states + hkv * per_head + 2 * n;
-    const float* sh = s.data() + hkv * n * kDecodeTile;
-    int64_t r = 0;
-    for (; r + 1 < n; r += 2) {  // two rows at a time: each value row loaded once for both
-      AccumulateRows<NV, 2>(sh + r * kDecodeTile, vbase + hkv * kD, hk * kD, nk, o + r * kD);
-    }
-    for (; r < n; ++r) {
-      AccumulateRows<NV, 1>(sh + r * kDecodeTile, vbase + hkv * kD, hk * kD, nk, o + r * kD);
+  // P V in memory order; a key's P of 0 is skipped per row
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      ask_ahead(vbase, j * hk + hkv);
+      float* o = states + hkv * per_head + 2 * n;
+      const float* sh = s.data() + hkv * n * kDecodeTile + j;
+      const float* vr = vbase + (j * hk + hkv) * kD;
+      int64_t r = 0;
+      for (; r + 1 < n; r += 2) AccumulateRows<NV, 2>(sh + r * kDecodeTile, vr, 0, 1, o + r * kD);
+      for (; r < n; ++r) AccumulateRows<NV, 1>(sh + r * kDecodeTile, vr, 0, 1, o + r * kD);
     }
   }
 }
 
-// DotTileHeads for one row per kv head (MHA decode: q_seq 1, group 1), reading K and then V in
+// DotTileRows for one row per kv head (MHA decode: q_seq 1, group 1), reading K and then V in
 // memory order: key by key, a key's kv heads one after another (the tile's K is nk * hk rows of
 // kD floats back to back). The query rows and the output rows are read from and written to L1
 // for every (key, head) pair instead of held in registers over a head's keys, but the reads are
 // one sequential stream, and each row's lines kStreamAhead bytes further on are asked for
 // (non-temporal: they are read once): a core read K and V at ~36 GB/s here (d 128; ~33 for d 64),
-// against ~27 (~21) in DotTileHeads' head-by-head order (rows 4 KiB apart), with ~41 for a plain
+// against ~27 (~21) in a head-by-head order (rows 4 KiB apart), with ~41 for a plain
 // read; ~33 (~27) without the prefetches. (Reducing 16 pairs' partial sums together with a
 // transpose-and-add tree instead of one horizontal sum each was slower on this stream: ~23 GB/s
-// for the scores alone, against ~31.) Every score and output row is DotTileHeads': the same dot
+// for the scores alone, against ~31.) Every score and output row is DotTile's: the same dot
 // product (two accumulators over alternate vectors, one shuffle sum), scale, softcap and key
 // order of P V: the same bits.
 template <int NV>
@@ -654,9 +666,9 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         } else if (direct && dp == dvp && n == 1 && dp == 4 * kLanes) {
           DotTileKeys<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
         } else if (direct && dp == dvp && dp == 8 * kLanes) {
-          DotTileHeads<8>(p, heads, b, j0, nk, c1, state_of_chunk(b, chunk), s);
+          DotTileRows<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
         } else if (direct && dp == dvp && dp == 4 * kLanes) {
-          DotTileHeads<4>(p, heads, b, j0, nk, c1, state_of_chunk(b, chunk), s);
+          DotTileRows<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
         } else {
           DotTile(p, heads, b, j0, nk, direct, state_of_chunk(b, chunk), kstage, vstage, s);
         }
