@@ -439,6 +439,16 @@ inline void AccumulateRows(const float* sr, const float* vbase, int64_t v_step, 
   }
 }
 
+// Asks (non-temporal: read once) for the lines of the row kStreamAhead bytes after row `at` of
+// a stream of kD-float rows at `base`, or of row `last_row` when that is nearer. The address is
+// clamped rather than the call skipped: behind an early return GCC dropped the prefetches.
+template <int64_t kD>
+inline void AskAhead(const float* base, int64_t at, int64_t last_row) {
+  const int64_t ahead = std::min<int64_t>(at + kStreamAhead / (kD * 4), last_row);
+  const char* row = reinterpret_cast<const char*>(base + ahead * kD);
+  for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, 0);
+}
+
 // DotTile for float32 rows of NV whole vectors read in place, a few rows per kv head (GQA, or
 // several query positions): K and then V in memory order, key by key, a key's kv heads one after
 // another, as DotTileKeys, each row's lines kStreamAhead bytes further on asked for
@@ -458,13 +468,7 @@ inline void DotTileRows(const AttentionParams& p,
   const int64_t per_head = n * (kD + 2);
   const float* kbase = static_cast<const float*>(p.k) + (b * p.kv_len + j0) * hk * kD;
   const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * kD;
-  // the row kStreamAhead bytes after row `at` of K (or V), or this batch row's last
-  const int64_t last_row = (p.kv_len - j0) * hk - 1;
-  auto ask_ahead = [&](const float* base, int64_t at) {
-    const int64_t ahead = std::min<int64_t>(at + kStreamAhead / (kD * 4), last_row);
-    const char* row = reinterpret_cast<const char*>(base + ahead * kD);
-    for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, 0);
-  };
+  const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
   // each kv head's rows in runs of 4, 2 or 1 that see the same keys: (first row, count)
   std::vector<std::pair<int64_t, int>> runs;
   std::vector<int64_t> first_run(hk + 1, 0);
@@ -482,7 +486,7 @@ inline void DotTileRows(const AttentionParams& p,
   for (int64_t j = 0; j < nk; ++j) {
     const float* kkey = kbase + j * hk * kD;
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      ask_ahead(kbase, j * hk + hkv);
+      AskAhead<kD>(kbase, j * hk + hkv, last_row);
       const DecodeRows& rows = heads[hkv];
       for (int64_t u = first_run[hkv]; u < first_run[hkv + 1]; ++u) {
         const int64_t r = runs[u].first;
@@ -500,7 +504,7 @@ inline void DotTileRows(const AttentionParams& p,
   // P V in memory order; a key's P of 0 is skipped per row
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      ask_ahead(vbase, j * hk + hkv);
+      AskAhead<kD>(vbase, j * hk + hkv, last_row);
       float* o = states + hkv * per_head + 2 * n;
       const float* sh = s.data() + hkv * n * kDecodeTile + j;
       const float* vr = vbase + (j * hk + hkv) * kD;
@@ -534,19 +538,13 @@ inline void DotTileKeys(const AttentionParams& p,
   const float* kbase = static_cast<const float*>(p.k) + (b * p.kv_len + j0) * hk * kD;
   const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * kD;
   const float scale = p.scale;
-  // the row kStreamAhead bytes after row `at` of K (or V), or this batch row's last
-  const int64_t last_row = (p.kv_len - j0) * hk - 1;
-  auto ask_ahead = [&](const float* base, int64_t at) {
-    const int64_t ahead = std::min<int64_t>(at + kStreamAhead / (kD * 4), last_row);
-    const char* row = reinterpret_cast<const char*>(base + ahead * kD);
-    for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, 0);
-  };
+  const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
   // the scores of every key of the tile, the ones a row does not see set to -inf below (K's rows
   // there are read, and lie in the tile anyway)
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
       const float* k = kbase + (j * hk + hkv) * kD;
-      ask_ahead(kbase, j * hk + hkv);
+      AskAhead<kD>(kbase, j * hk + hkv, last_row);
       const float* q = heads[hkv].q.data();
       VecF acc0 = VecF{}, acc1 = VecF{};
       for (int v = 0; v + 1 < NV; v += 2) {
@@ -573,7 +571,7 @@ inline void DotTileKeys(const AttentionParams& p,
   // never enters)
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      ask_ahead(vbase, j * hk + hkv);
+      AskAhead<kD>(vbase, j * hk + hkv, last_row);
       const float pr = s[hkv * kDecodeTile + j];
       if (pr == 0.0f) continue;
       float* o = states + hkv * per_head + 2;
