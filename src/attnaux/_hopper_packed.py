@@ -283,12 +283,18 @@ def _cleaned(q, k, v, q_info, kv_info):
                  for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
 
 
-def _static_and_tables(options: Options, qp, kp, q_info, kv_info):
-    """The static setting of a padded call and its visiting ranges."""
+def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool):
+    """`(st, q, k, v, infos, tables)` of a call, as the kernels take it: q, k and v cleaned
+    (`clean`) and padded to the kernels' multiple of 128, the token infos padded with padding
+    tokens, the static setting and the visiting ranges."""
+    if clean:
+        q, k, v = _cleaned(q, k, v, q_info, kv_info)
+    qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
+    infos = pad_infos(q_info, kv_info)
     g = geometry(options, qp.shape[1], kp.shape[1])
     config = hopper.default_config(qp.shape[-1])
     st = _Static(options.scale, options.softcap or None, g, config)
-    return st, tables(q_info, kv_info, g, config.block_kv)
+    return st, qp, kp, vp, infos, tables(*infos, g, config.block_kv)
 
 
 def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool):
@@ -299,12 +305,8 @@ def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool)
     probability or score gradient would meet it in a product). Rows that see no key: out 0,
     lse = max = -inf, zero gradients."""
     q_seq = q.shape[1]
-    if clean:
-        q, k, v = _cleaned(q, k, v, q_info, kv_info)
-    qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
-    q_info, kv_info = pad_infos(q_info, kv_info)
-    st, tabs = _static_and_tables(options, qp, kp, q_info, kv_info)
-    out, lse, mx = _call(st, qp, kp, vp, (q_info, kv_info), tabs)
+    st, qp, kp, vp, infos, tabs = _prepared(q, k, v, q_info, kv_info, options, clean)
+    out, lse, mx = _call(st, qp, kp, vp, infos, tabs)
     return out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq]
 
 
@@ -349,16 +351,12 @@ def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
     """`(dq, dk, dv)` of one block of a larger attention (context parallelism): the backward
     kernels with the *whole* problem's `out` and `lse` as residuals, so that P and the row term
     are the whole problem's: the block's exact share of the gradients."""
-    q_info, kv_info = token_infos(arrays, options)
-    q, k, v = arrays.q, arrays.k, arrays.v
-    if options.has_seqlens:
-        q, k, v = _cleaned(q, k, v, q_info, kv_info)
+    q, k = arrays.q, arrays.k
     q_seq, kv_seq = q.shape[1], k.shape[1]
-    qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
-    q_info, kv_info = pad_infos(q_info, kv_info)
-    st, tabs = _static_and_tables(options, qp, kp, q_info, kv_info)
+    st, qp, kp, vp, infos, tabs = _prepared(q, k, arrays.v, *token_infos(arrays, options),
+                                            options, options.has_seqlens)
     dq, dk, dv = _ops(st)[1](
-        qp, kp, vp, q_info, kv_info, *tabs, _pad_tokens(out.astype(q.dtype), 1),
+        qp, kp, vp, *infos, *tabs, _pad_tokens(out.astype(q.dtype), 1),
         _pad_tokens(lse.astype(jnp.float32), 2, -jnp.inf), _pad_tokens(dout.astype(q.dtype), 1),
         _pad_tokens(dlse.astype(jnp.float32), 2))
     return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
