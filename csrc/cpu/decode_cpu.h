@@ -159,6 +159,52 @@ inline bool GemmKeyRows(int64_t row_step, int64_t rows, int64_t depth, const flo
   }
 }
 
+// GemmKeyRows' blocks of kKeyBlock keys for one vector of rows (width 1), each block's depth
+// loop also asking (into L2) for `ahead_lines` lines from each of `ahead_k` and `ahead_v`, a
+// line of each per step of the depth: the next tile's rows, a share per block. A pass in memory
+// order before a tile's products has nothing to overlap its reads (a core: ~12.5 GB/s of K and V
+// from memory, ~18.7 from L3); requests spread this thin between the products overlap part of
+// them (n 16, d 128, 8 kv heads: ~13.5 a core, two ~25.0 against ~23.6). Requests in bursts (a
+// kv head's next rows, or a share of keys, at once) gained nothing. The same FMAs in the same
+// order as GemmKeyRows: the same bits.
+template <int64_t kRowStep>
+inline void KeyBlockAsking(int64_t depth, const float* k, const float* b, float* c,
+                           const char* ahead_k, const char* ahead_v, int64_t ahead_lines) {
+  VecF acc[kKeyBlock];
+  for (int r = 0; r < kKeyBlock; ++r) acc[r] = VecF{};
+  for (int64_t x = 0; x < depth; ++x) {
+    if (x < ahead_lines) {
+      __builtin_prefetch(ahead_k + x * 64, 0, 2);
+      __builtin_prefetch(ahead_v + x * 64, 0, 2);
+    }
+    const VecF bv = Load(b + x * kLanes);
+    for (int r = 0; r < kKeyBlock; ++r) acc[r] += Splat(k[r * kRowStep + x]) * bv;
+  }
+  for (int r = 0; r < kKeyBlock; ++r) Store(c + r * kLanes, acc[r]);
+}
+
+// Whether `rows` rows of `width` floats (a multiple of kLanes), `step` floats apart, are all
+// finite: x * 0 is 0 for finite x and NaN otherwise, summed, then one look at the lanes. Eight
+// sums (one per row modulo 8): in one chain the FMAs cost their latency each.
+inline bool RowsAllFinite(const float* x, int64_t step, int64_t rows, int64_t width) {
+  constexpr int kSums = 8;
+  VecF acc[kSums] = {};
+  int64_t j = 0;
+  for (; j + kSums <= rows; j += kSums) {
+    for (int64_t e = 0; e < width; e += kLanes) {
+      for (int i = 0; i < kSums; ++i) acc[i] += Load(x + (j + i) * step + e) * 0.0f;
+    }
+  }
+  for (; j < rows; ++j) {
+    for (int64_t e = 0; e < width; e += kLanes) acc[0] += Load(x + j * step + e) * 0.0f;
+  }
+  VecF all = VecF{};
+  for (int i = 0; i < kSums; ++i) all += acc[i];
+  bool finite = true;
+  for (int lane = 0; lane < kLanes; ++lane) finite &= all[lane] == 0.0f;
+  return finite;
+}
+
 inline bool KeyRowStepCompiled(int64_t row_step) {
   return row_step >= 64 && row_step <= 4096 && (row_step & (row_step - 1)) == 0;
 }
@@ -656,6 +702,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         }
       }
     }
+    int64_t asked_tile = -1;  // the tile the products of the one before asked for, if any
     for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
       const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
       if (!gemm) {
@@ -680,7 +727,15 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
                             nk == kDecodeTile && KeyRowStepCompiled(hk * d);
       const int64_t k_step = in_place ? hk * d : dp, v_step = in_place ? hk * dv : dvp;
       std::vector<char> bad(hk, 0);
-      if (in_place) {  // V's rows in memory order; one look at the lanes per kv head
+      // whole tiles of rows 1024 or 2048 floats per key (every kv head) and one vector of rows
+      // (np == kLanes): the products ask for the next tile as they go (KeyBlockAsking), and
+      // check their kv head's V rows from L2; otherwise, and for the task's first tile, one pass
+      // in memory order first
+      const bool asking = in_place && np == kLanes && (k_step == 1024 || k_step == 2048) &&
+                          d % kKeyBlock == 0;
+      const bool asked = asking && asked_tile == j0;
+      asked_tile = -1;
+      if (in_place && !asked) {  // V's rows in memory order; one look at the lanes per kv head
         // K's rows are asked for (into L2) in the same memory-order pass: the products read
         // them head by head, 4 KiB apart, which the prefetchers follow poorly
         const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * dv;
@@ -699,7 +754,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         for (int64_t hkv = 0; hkv < hk; ++hkv) {
           for (int lane = 0; lane < kLanes; ++lane) bad[hkv] |= finite_sums[hkv][lane] != 0.0f;
         }
-      } else {
+      } else if (!in_place) {
         if (kstage.empty()) {
           kstage.assign(hk * kDecodeTile * dp, 0.0f);
           vstage.assign(hk * kDecodeTile * dvp, 0.0f);
@@ -726,9 +781,35 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         const float* vh = in_place
             ? static_cast<const float*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv
             : vstage.data() + hkv * kDecodeTile * dvp;
+        if (asked) bad[hkv] = !RowsAllFinite(vh, v_step, kDecodeTile, dv);
         // Rows in the lanes: S^T [keys][np] = K Q^T
-        GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
-                    np / kLanes, st.data(), np);
+        if (asking) {
+          // the next tile's K and V (contiguous, `tile_bytes` each), a share per block
+          const bool ask_next = j1 + kDecodeTile <= c1;
+          const int64_t tile_bytes = kDecodeTile * k_step * 4;
+          const int64_t shares = hk * (kDecodeTile / kKeyBlock);
+          const char* next_k = reinterpret_cast<const char*>(
+              static_cast<const float*>(p.k) + (b * p.kv_len + j1) * k_step);
+          const char* next_v = reinterpret_cast<const char*>(
+              static_cast<const float*>(p.v) + (b * p.kv_len + j1) * v_step);
+          for (int64_t jb = 0; jb < kDecodeTile; jb += kKeyBlock) {
+            const int64_t share = hkv * (kDecodeTile / kKeyBlock) + jb / kKeyBlock;
+            const int64_t from = share * tile_bytes / shares / 64 * 64;
+            const int64_t to = (share + 1) * tile_bytes / shares / 64 * 64;
+            const int64_t lines = ask_next ? (to - from) / 64 : 0;
+            const float* q = qt.data() + hkv * d * np;
+            float* c = st.data() + jb * np;
+            if (k_step == 1024) {
+              KeyBlockAsking<1024>(d, kh + jb * k_step, q, c, next_k + from, next_v + from, lines);
+            } else {
+              KeyBlockAsking<2048>(d, kh + jb * k_step, q, c, next_k + from, next_v + from, lines);
+            }
+          }
+          if (ask_next && hkv == hk - 1) asked_tile = j1;
+        } else {
+          GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
+                      np / kLanes, st.data(), np);
+        }
         if (p.softcap > 0.0f || !exact_keys) {
           for (int64_t j = 0; j < kDecodeTile; ++j) {
             float* sj = st.data() + j * np;
