@@ -1,0 +1,97 @@
+"""GPU benchmark: attnaux's own Hopper kernels against cuDNN and FlashAttention-3, one run.
+
+    python benchmarks/gpu_hopper.py            # every shape of gpu_flash.SHAPES, causal and not
+    python benchmarks/gpu_hopper.py --quick    # two shapes
+
+bf16 plain attention (no mask function), forward and forward+backward (`jax.vjp` of out with a
+fixed cotangent), side by side and taking turns (`gpu_flash.timed`):
+
+- `hopper`: attnaux's Pallas kernels (`_flash_hopper`; the backward is its two kernels, dK/dV
+  and dQ), through the custom VJP that `flash` uses for score_mod/mask_mod;
+- `cudnn`: `attnaux.attention(backend="flash")` (cuDNN through attnaux's FFI handlers, what
+  `auto` runs for plain attention on GPU);
+- `fa3`: FlashAttention-3 (`dew_flash_attn.flash_mha`, which must be importable).
+
+TFLOP/s as FlashAttention counts them (4*b*h*s*s*d forward, halved for causal; forward+backward
+3.5x the forward), the share of the H100's measured dense bf16 matrix throughput (798 TFLOP/s,
+BENCHMARKS.md), and FA3's time over each one's (1.0 = parity, above = faster than FA3).
+"""
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import attnaux
+from attnaux import _flash_hopper as fh
+from attnaux import _hopper_mods as hm
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dew_flash_attn  # noqa: E402
+from gpu_flash import SHAPES, timed  # noqa: E402
+
+PEAK_TFLOPS = 798.0  # H100 SXM dense bf16 wgmma, measured (BENCHMARKS.md)
+
+
+def hopper_attention(q, k, v, causal):
+    """out of the Hopper kernels through `_hopper_mods`' custom VJP (the path `flash` takes
+    for score_mod/mask_mod), plain attention."""
+    b, s, h, d = q.shape
+    st = hm.Static(None, None, d ** -0.5, fh.Geometry(causal, None, 0, s, s),
+                   fh.default_config(d), None)
+    none = jnp.zeros((b, h, 0, s), jnp.float32)
+    return hm._kernel_call(st, q, k, v, none, none)[0]
+
+
+CANDIDATES = {
+    "hopper": hopper_attention,
+    "cudnn": lambda q, k, v, c: attnaux.attention(q, k, v, causal=c, backend="flash")[0],
+    "fa3": lambda q, k, v, c: dew_flash_attn.flash_mha(q, k, v, is_causal=c),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes only")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--candidates", default=",".join(CANDIDATES),
+                        help="comma-separated subset of " + ", ".join(CANDIDATES)
+                        + " (fa3 is always measured: the ratios are against it)")
+    args = parser.parse_args()
+    chosen = set(args.candidates.split(",")) | {"fa3"}
+    unknown = chosen - set(CANDIDATES)
+    if unknown:
+        parser.error(f"--candidates: unknown {sorted(unknown)}; choose from {list(CANDIDATES)}")
+    candidates = {n: f for n, f in CANDIDATES.items() if n in chosen}
+    shapes = SHAPES[1:3] if args.quick else SHAPES
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16")
+    names = list(candidates)
+    print("| b x s x h x d | causal | pass | " + " | ".join(f"{n} TFLOP/s (% peak)"
+                                                          for n in names)
+          + " | " + " | ".join(f"fa3 / {n}" for n in names if n != "fa3") + " |")
+    print("|---" * (3 + 2 * len(names) - 1) + "|")
+    for b, s, h, d in shapes:
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            fwd = {n: jax.jit(lambda q, k, v, f=f, c=causal: f(q, k, v, c))
+                   for n, f in candidates.items()}
+            fwd_bwd = {n: jax.jit(lambda q, k, v, do, f=f, c=causal: jax.vjp(
+                lambda q, k, v: f(q, k, v, c), q, k, v)[1](do))
+                for n, f in candidates.items()}
+            t_f = timed(fwd, (q, k, v), rounds=args.rounds)
+            t_fb = timed(fwd_bwd, (q, k, v, do), rounds=args.rounds)
+            for label, t, work in (("fwd", t_f, flops), ("fwd+bwd", t_fb, 3.5 * flops)):
+                rates = {n: work / t[n] / 1e12 for n in names}
+                print(f"| {b}x{s}x{h}x{d} | {'yes' if causal else 'no'} | {label} | "
+                      + " | ".join(f"{rates[n]:.0f} ({100 * rates[n] / PEAK_TFLOPS:.0f}%)"
+                                   for n in names)
+                      + " | " + " | ".join(f"{t['fa3'] / t[n]:.2f}" for n in names
+                                           if n != "fa3") + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
