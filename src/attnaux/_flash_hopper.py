@@ -364,7 +364,7 @@ def default_config(head_dim: int) -> Config:
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config"))
 def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, tile_fn,
-            config: Config, tables=None, infos=None):
+            config: Config, tables=None, infos=None, indices=None):
     """`(out, lse, max)` for padded `q [B, Sq, Hq, D]`, `k`/`v [B, Skv, Hkv, D]` (Sq a multiple
     of 128, Skv of `config.block_kv`); `rows [B, Hq, n_rows, Sq]`, `cols [B, Hq, n_cols, Skv]`
     float32 (n = 0: shape with 0). lse/max `[B, Hq, Sq]` float32, natural log. `tables`: None
@@ -372,10 +372,14 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     dQ, dK/dV): each warpgroup visits only its row's range of them. `infos`: for a `packed`
     geometry, `(q_info [B, 2, Sq], kv_info [B, 2, Skv])` int32, each token's segment and
     position (the row's aligned position; `PAD_ROW` / -1 for padding), with `tables` built
-    from them (`_hopper_packed.tables`)."""
+    from them (`_hopper_packed.tables`). `indices`: None, or `(batch [B], heads [Hq])` int32,
+    the batch and query-head index that the tile function sees for each entry of the arrays
+    (a shard's global indices, `_hopper_mods`); None: the entry's own index. Only the tile
+    function sees them: every array is read at the entry's own index."""
     pl, plgpu = _pallas()
     _check_packed(geometry, tile_fn, tables, infos)
     packed = geometry.packed
+    by_index = indices is not None and tile_fn is not None
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -407,6 +411,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         at += table is not None
         qinfo_ref, kvinfo_ref = refs[at:at + 2] if packed else (None, None)
         at += 2 * packed
+        index_refs = refs[at:at + 2] if by_index else None
+        at += 2 * by_index
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
         k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
@@ -435,6 +441,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             qo_smem = qo_smem2.at[wg]
             q0 = cta_q0 + wg * block_q
             own = _pick(wg, *wg_ranges)
+            fn_b, fn_h = _fn_index(index_refs, b, h)  # what the tile function sees
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo_smem,
                                     q_ready.at[wg])
             q_pos = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
@@ -488,8 +495,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                             (block_q, block_kv), [1])
                         for c in range(n_cols))
                     if packed:  # the rules from the tokens' data, on the tiles that need them
-                        x = s if plain else mod(s, q_pos, kv_pos, b, h, row_vals, cols_v,
-                                                masked=False)[0]
+                        x = s if plain else mod(s, q_pos, kv_pos, fn_b, fn_h, row_vals,
+                                                cols_v, masked=False)[0]
                         if masked:
                             kv_info = tuple(
                                 plgpu.load(kvinfo_ref.at[b, c, pl.ds(step * block_kv, block_kv)],
@@ -502,7 +509,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                     elif plain:  # only the masks: keep q.k units
                         x = jnp.where(_geometry_visible(geometry, q_pos, kv_pos), s, -jnp.inf)
                     else:
-                        x, _ = mod(s, q_pos, kv_pos, b, h, row_vals, cols_v, masked=masked)
+                        x, _ = mod(s, q_pos, kv_pos, fn_b, fn_h, row_vals, cols_v,
+                                   masked=masked)
                 m_new = jnp.maximum(m, x.max(axis=1))
                 m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new) * exp_scale
                 alpha = jnp.exp2(m * exp_scale - m_base)
@@ -580,7 +588,16 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         scratch_types=(scratch, barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, *([rows] if n_rows else []), *([cols] if n_cols else []),
-      *([table] if table is not None else []), *(infos if packed else ()))
+      *([table] if table is not None else []), *(infos if packed else ()),
+      *(indices if by_index else ()))
+
+
+def _fn_index(index_refs, b, h):
+    """The batch and head index the tile function sees at grid entry `(b, h)`: read from the
+    `indices` refs (int32 GMEM, as the block tables are read), or `(b, h)` without them."""
+    if index_refs is None:
+        return b, h
+    return index_refs[0][b], index_refs[1][h]
 
 
 def _check_packed(geometry: Geometry, tile_fn, tables, infos) -> None:
@@ -622,14 +639,17 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config"))
 def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap,
-             geometry: Geometry, tile_fn, config: Config, tables=None, infos=None):
+             geometry: Geometry, tile_fn, config: Config, tables=None, infos=None,
+             indices=None):
     """`(dq, dk, dv, drows, dcols)` of `forward` (same padded shapes), given the cotangents of
     out and lse. dS = P * (dP - (D - dlse)), D = rowsum(dO * O), in two kernels: dK/dV (a CTA
     per 128 keys of a kv head, over the query tiles of every query head of its group) and dQ (a
-    CTA per 128 query rows, over the key tiles). `tables` and `infos` as for `forward`."""
+    CTA per 128 query rows, over the key tiles). `tables`, `infos` and `indices` as for
+    `forward`."""
     pl, plgpu = _pallas()
     _check_packed(geometry, tile_fn, tables, infos)
     packed = geometry.packed
+    by_index = indices is not None and tile_fn is not None
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -701,6 +721,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += dkv_table is not None
         qinfo_ref, kvinfo_ref = refs[i:i + 2] if packed else (None, None)
         i += 2 * packed
+        index_refs = refs[i:i + 2] if by_index else None
+        i += 2 * by_index
         dk_ref, dv_ref = refs[i:i + 2]
         i += 2
         dcols_ref = refs[i] if n_cols else None
@@ -743,6 +765,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             def per_head(g, carry):
                 dk, dv = carry
                 h = kvh * group + g
+                fn_bh = _fn_index(index_refs, b, h)  # what the tile function sees
                 base = g * n_steps - c_lo  # stream index of query tile j: base + j
                 col_vals = tuple(row_input(cols_ref, b, h, c, k0, wgmma.reduce(1), (bk, bq), 0)
                                  for c in range(n_cols))
@@ -781,8 +804,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                     if packed and masked:
                         rows_info = info_vectors(qinfo_ref, b, q0, wgmma.reduce(0))
                         vis = packed_visible(rows_info, own_keys, 1, (bk, bq))
-                    p, vjp = scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b,
-                                              masked, vis)
+                    p, vjp = scores_and_probs(s, q_pos, kv_pos, *fn_bh,
+                                              row_vals, col_vals, lse_b, masked, vis)
                     plgpu.barrier_wait(do_ready.at[slot])
 
                     def dv_dp(refs):
@@ -868,8 +891,10 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         dkv_out.append(jax.ShapeDtypeStruct(cols.shape, jnp.float32))
     extra = [*([rows] if n_rows else []), *([cols] if n_cols else [])]
     info_args = list(infos) if packed else []
-    dkv_extra = extra + ([dkv_table] if dkv_table is not None else []) + info_args
-    dq_extra = extra + ([dq_table] if dq_table is not None else []) + info_args
+    index_args = list(indices) if by_index else []
+    dkv_extra = (extra + ([dkv_table] if dkv_table is not None else []) + info_args
+                 + index_args)
+    dq_extra = extra + ([dq_table] if dq_table is not None else []) + info_args + index_args
     dkv = plgpu.kernel(
         dkv_kernel,
         out_type=tuple(dkv_out),
@@ -897,6 +922,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += dq_table is not None
         qinfo_ref, kvinfo_ref = refs[i:i + 2] if packed else (None, None)
         i += 2 * packed
+        index_refs = refs[i:i + 2] if by_index else None
+        i += 2 * by_index
         dq_ref = refs[i]
         i += 1
         drows_ref = refs[i] if n_rows else None
@@ -929,6 +956,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, pl.ds(q0, bq)], st_smem,
                                     st_ready.at[wg])
             own = _pick(wg, *wg_ranges)
+            fn_b, fn_h = _fn_index(index_refs, b, h)  # what the tile function sees
             q_pos = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma) + q0
             kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma)
             row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(1), (bq, bk), 0)
@@ -969,8 +997,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                 if packed and masked:
                     keys_info = info_vectors(kvinfo_ref, b, step * bk, wgmma.reduce(0))
                     vis = packed_visible(own_rows, keys_info, 0, (bq, bk))
-                p, vjp = scores_and_probs(s, q_pos, kv_pos, b, h, row_vals, col_vals, lse_b,
-                                          masked, vis)
+                p, vjp = scores_and_probs(s, q_pos, kv_pos, fn_b, fn_h, row_vals, col_vals,
+                                          lse_b, masked, vis)
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_(acc_ref):
