@@ -25,9 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from . import _flash_hopper as hopper
+from ._hopper_packed import _varying_like_operands
 from ._kernel_call import add_sink
+from ._partition import BATCH, HEADS, KV_HEADS, partitioned, table_layout
 from ._score_program import (
     CONST_WORDS,
     HEADER_WORDS,
@@ -396,39 +399,138 @@ def _pad(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
+# ---- the kernel calls: partitioned over batch and heads, vmap folded into the batch
+# (as `_hopper_packed`'s). The tile function sees the batch and head index of each entry from
+# the operands `batch_ids` and `head_ids` (`arange`s, sliced with the shard and folded with a
+# vmap, as every other operand), so that a shard's call, or a vmapped one, computes what the
+# whole call computes there; every array is read at the entry's local index.
+_TABLES = ("t_fwd", "t_dq", "t_dkv")
+_LAYOUTS = {
+    "rows": (BATCH, HEADS, "n_rows", "q_seq"), "drows": (BATCH, HEADS, "n_rows", "q_seq"),
+    "cols": (BATCH, HEADS, "n_cols", "kv_seq"), "dcols": (BATCH, HEADS, "n_cols", "kv_seq"),
+    "batch_ids": (BATCH,), "head_ids": (HEADS,),
+    # range_tables' dims of size 1 broadcast (the partitioning leaves them whole)
+    "t_fwd": (BATCH, HEADS, "q_blocks", "range"), "t_dq": (BATCH, HEADS, "q_blocks", "range"),
+    "t_dkv": (BATCH, KV_HEADS, "kv_blocks", "range"),
+}
+
+
+def _layout(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    return _LAYOUTS.get(name) or table_layout(name, shape)
+
+
+def _names(st: Static):
+    """`(forward operands, backward operands, backward results)` of a static setting (rows and
+    cols only where the split has them, the block tables only where mask_mod gave them)."""
+    n_rows, n_cols = (0, 0) if st.split is None else (len(st.split.rows), len(st.split.cols))
+    side = ("rows",) * bool(n_rows) + ("cols",) * bool(n_cols)
+    forward = ("q", "k", "v", *side, "batch_ids", "head_ids",
+               *(_TABLES if st.tables is not None else ()))
+    results = ("dq", "dk", "dv") + ("drows",) * bool(n_rows) + ("dcols",) * bool(n_cols)
+    return forward, forward + ("out", "lse", "dout", "dlse"), results
+
+
+def _kernel_args(st: Static, names, args):
+    """The named operands, rows and cols (empty where absent) and the kernels' keywords."""
+    named = dict(zip(names, args, strict=True))
+    bsz, q_seq, q_heads, _ = named["q"].shape
+    rows = named.get("rows", jnp.zeros((bsz, q_heads, 0, q_seq), jnp.float32))
+    cols = named.get("cols", jnp.zeros((bsz, q_heads, 0, named["k"].shape[1]), jnp.float32))
+    keywords = dict(scale=st.scale, softcap=st.softcap, geometry=st.geometry,
+                    tile_fn=tile_fn(st.split) if st.split is not None else None,
+                    config=st.config,
+                    tables=tuple(named[t] for t in _TABLES) if st.tables is not None else None,
+                    indices=(named["batch_ids"], named["head_ids"]))
+    return named, rows, cols, keywords
+
+
+def _local_forward(st: Static, *args):
+    named, rows, cols, kw = _kernel_args(st, _names(st)[0], args)
+    return hopper.forward(named["q"], named["k"], named["v"], rows, cols, **kw)
+
+
+def _local_backward(st: Static, *args):
+    n = _names(st)
+    named, rows, cols, kw = _kernel_args(st, n[1], args)
+    dq, dk, dv, drows, dcols = hopper.backward(
+        *(named[x] for x in ("q", "k", "v", "out", "lse", "dout", "dlse")), rows, cols, **kw)
+    grads = {"dq": dq, "dk": dk, "dv": dv, "drows": drows, "dcols": dcols}
+    return tuple(grads[x] for x in n[2])
+
+
+def _folded(fn, broadcast_batch: tuple[int, ...]):
+    """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
+    folded into the batch, one launch. An operand that is not mapped is broadcast first, except
+    those at `broadcast_batch` (block tables) whose batch dim of 1 broadcasts in the kernels."""
+    wrapped = custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _(axis_size, in_batched, *args):
+        bsz = next(x.shape[1] if mapped else x.shape[0] for x, mapped in zip(args, in_batched))
+
+        def fold(i, x, mapped):
+            if i in broadcast_batch:
+                if not mapped and x.shape[0] == 1:
+                    return x
+                if mapped:
+                    x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
+            if not mapped:
+                x = jnp.broadcast_to(x, (axis_size, *x.shape))
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        outs = wrapped(*(fold(i, x, m) for i, (x, m) in enumerate(zip(args, in_batched))))
+        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
+                (True,) * len(outs))
+
+    return wrapped
+
+
+@functools.cache
+def _ops(st: Static):
+    """The forward and backward kernel calls of one static setting: each partitioned over
+    batch and heads under SPMD (`_partition.partitioned`: a device runs its shard, no gather;
+    rows, cols, the ids and the block tables are sliced with it), and folded under `jax.vmap`."""
+    fwd_names, bwd_names, bwd_results = _names(st)
+    forward = partitioned(functools.partial(_local_forward, st), "attnaux score_mod (Hopper)",
+                          fwd_names, ("out", "lse", "max"), layout=_layout)
+    backward = partitioned(functools.partial(_local_backward, st),
+                           "attnaux score_mod backward (Hopper)", bwd_names, bwd_results,
+                           layout=_layout)
+    tables_at = tuple(i for i, x in enumerate(bwd_names) if x in _TABLES)
+    return (_varying_like_operands(_folded(forward, tables_at)),
+            _varying_like_operands(_folded(backward, tables_at)))
+
+
+def _side(st: Static, rp, cp):
+    """The rows and cols operands the kernel calls take (those the split has)."""
+    _, _, results = _names(st)
+    return (*((rp,) if "drows" in results else ()), *((cp,) if "dcols" in results else ()))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_call(st: Static, q, k, v, rows, cols):
-    return _forward(st, q, k, v, rows, cols)[0]
+def _kernel_call(st: Static, q, k, v, rows, cols, ids, tabs):
+    return _fwd(st, q, k, v, rows, cols, ids, tabs)[0]
 
 
-def _forward(st: Static, q, k, v, rows, cols):
+def _fwd(st, q, k, v, rows, cols, ids, tabs):
     q_seq = q.shape[1]
     qp, kp, vp = _pad(q, 1, 128), _pad(k, 1, 128), _pad(v, 1, 128)
     rp, cp = _pad(rows, 3, 128), _pad(cols, 3, 128)
-    tf = tile_fn(st.split) if st.split is not None else None
-    out, lse, mx = hopper.forward(qp, kp, vp, rp, cp, scale=st.scale, softcap=st.softcap,
-                                  geometry=st.geometry, tile_fn=tf, config=st.config,
-                                  tables=st.range_arrays())
+    out, lse, mx = _ops(st)[0](qp, kp, vp, *_side(st, rp, cp), *ids, *tabs)
     result = (out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq])
-    return result, (qp, kp, vp, out, lse, rp, cp)
-
-
-def _fwd(st, q, k, v, rows, cols):
-    result, res = _forward(st, q, k, v, rows, cols)
-    return result, (res, q.shape[1], k.shape[1])
+    return result, ((qp, kp, vp, out, lse, rp, cp, ids, tabs), q_seq, k.shape[1])
 
 
 def _bwd(st, saved, cotangents):
-    (qp, kp, vp, out, lse, rp, cp), q_seq, kv_seq = saved
+    (qp, kp, vp, out, lse, rp, cp, ids, tabs), q_seq, kv_seq = saved
     dout, dlse, _ = cotangents  # the row max has no gradient
     dout = _pad(dout.astype(qp.dtype), 1, 128)
     dlse = _pad(dlse.astype(jnp.float32), 2, 128)
-    tf = tile_fn(st.split) if st.split is not None else None
-    dq, dk, dv, drows, dcols = hopper.backward(
-        qp, kp, vp, out, lse, dout, dlse, rp, cp, scale=st.scale, softcap=st.softcap,
-        geometry=st.geometry, tile_fn=tf, config=st.config, tables=st.range_arrays())
-    return (dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq], drows[..., :q_seq],
-            dcols[..., :kv_seq])
+    grads = dict(zip(_names(st)[2], _ops(st)[1](qp, kp, vp, *_side(st, rp, cp), *ids, *tabs,
+                                                 out, lse, dout, dlse), strict=True))
+    drows, dcols = grads.get("drows", rp), grads.get("dcols", cp)  # absent: shape with 0
+    return (grads["dq"][:, :q_seq], grads["dk"][:, :kv_seq], grads["dv"][:, :kv_seq],
+            drows[..., :q_seq], dcols[..., :kv_seq], None, None)
 
 
 _kernel_call.defvjp(_fwd, _bwd)
@@ -467,7 +569,8 @@ def run(arrays, options, sp: Split | None, tables, tiles):
                        range_tables(tiles, n_q64, n_k64, config.block_kv, group))
     st = Static(sp, options.softcap or None, options.scale,
                 geometry_of(options, q_seq, kv_seq), config, packed)
-    out, lse, row_max = _kernel_call(st, q, k, v, rows, cols)
+    ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
+    out, lse, row_max = _kernel_call(st, q, k, v, rows, cols, ids, st.range_arrays() or ())
     if arrays.sink is not None:  # after the kernels, exactly; JAX differentiates it
         out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, row_max
