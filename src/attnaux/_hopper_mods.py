@@ -30,7 +30,7 @@ from jax.custom_batching import custom_vmap
 from . import _flash_hopper as hopper
 from ._hopper_packed import _varying_like_operands
 from ._kernel_call import add_sink
-from ._partition import BATCH, HEADS, KV_HEADS, partitioned, table_layout
+from ._partition import BATCH, HEADS, KV_HEADS, partitioned, table_layout, unify_vma
 from ._score_program import (
     CONST_WORDS,
     HEADER_WORDS,
@@ -458,17 +458,21 @@ def _local_backward(st: Static, *args):
     return tuple(grads[x] for x in n[2])
 
 
-def _folded(fn, broadcast_batch: tuple[int, ...]):
+def _folded(fn, broadcast_batch: tuple[int, ...], no_batch: tuple[int, ...]):
     """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
     folded into the batch, one launch. An operand that is not mapped is broadcast first, except
-    those at `broadcast_batch` (block tables) whose batch dim of 1 broadcasts in the kernels."""
+    those at `broadcast_batch` (block tables) whose batch dim of 1 broadcasts in the kernels,
+    and those at `no_batch` (the head ids: the same for every mapped element, never mapped)."""
     wrapped = custom_vmap(fn)
 
     @wrapped.def_vmap
     def _(axis_size, in_batched, *args):
-        bsz = next(x.shape[1] if mapped else x.shape[0] for x, mapped in zip(args, in_batched))
+        bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
 
         def fold(i, x, mapped):
+            if i in no_batch:
+                assert not mapped, "the head ids are made inside the mapped function"
+                return x
             if i in broadcast_batch:
                 if not mapped and x.shape[0] == 1:
                     return x
@@ -497,8 +501,9 @@ def _ops(st: Static):
                            "attnaux score_mod backward (Hopper)", bwd_names, bwd_results,
                            layout=_layout)
     tables_at = tuple(i for i, x in enumerate(bwd_names) if x in _TABLES)
-    return (_varying_like_operands(_folded(forward, tables_at)),
-            _varying_like_operands(_folded(backward, tables_at)))
+    heads_at = (bwd_names.index("head_ids"),)
+    return (_varying_like_operands(_folded(forward, tables_at, heads_at)),
+            _varying_like_operands(_folded(backward, tables_at, heads_at)))
 
 
 def _side(st: Static, rp, cp):
@@ -569,6 +574,9 @@ def run(arrays, options, sp: Split | None, tables, tiles):
                        range_tables(tiles, n_q64, n_k64, config.block_kv, group))
     st = Static(sp, options.softcap or None, options.scale,
                 geometry_of(options, q_seq, kv_seq), config, packed)
+    # inside `jax.shard_map`: rows and cols (from replicated captured arrays) vary like q, k, v,
+    # so that the custom VJP gives each its cotangent's type
+    q, k, v, rows, cols = unify_vma((q, k, v, rows, cols))
     ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
     out, lse, row_max = _kernel_call(st, q, k, v, rows, cols, ids, st.range_arrays() or ())
     if arrays.sink is not None:  # after the kernels, exactly; JAX differentiates it
