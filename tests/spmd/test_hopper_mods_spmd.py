@@ -137,3 +137,22 @@ def test_under_shard_map():
         want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, slopes)
     for name, g_, w_ in zip(("q", "k", "v", "slopes"), got, want, strict=True):
         _close(g_, w_, 1e-4, f"d{name} under shard_map")
+
+
+def test_vmap_of_the_sharded_call():
+    """`jax.vmap` over a leading axis, the batch under it sharded 2 x 2 with the heads: the
+    mapped axis folds into the batch (one call), and each element's tile function still sees
+    its own batch index, so the gradients equal each element's unsharded call."""
+    mesh = _mesh()
+    q, k, v, slopes, w = _operands()
+    q2 = jnp.stack([q, -0.5 * q])
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    grad = jax.grad(_loss, argnums=(0, 1, 2, 3, 4))
+    with emulated_kernels():
+        got = jax.jit(jax.vmap(grad, in_axes=(0, None, None, None, None)))(
+            put(q2, P(None, "b", None, "h")), put(k, P("b", None, "h")),
+            put(v, P("b", None, "h")), slopes, w)
+        want = [jax.jit(grad)(x, k, v, slopes, w) for x in q2]
+    for i, each in enumerate(want):
+        for name, g_, w_ in zip(("q", "k", "v", "slopes", "w"), got, each, strict=True):
+            _close(g_[i], w_, 1e-4, f"d{name} of element {i}")
