@@ -2,7 +2,8 @@
 host CPU devices, on real GPUs with the GPU kernels (cuDNN `flash`, attnaux's CUDA `probs`).
 
 - Batch / head sharding under `jax.jit`: the compiled programs (forward and gradients) hold no
-  collective at all, and the values equal the unsharded call on one GPU.
+  collective at all, and the values equal the unsharded call on one GPU; also for the calls
+  `flash` serves on attnaux's Hopper kernels (segment ids, score_mod/mask_mod).
 - Dropout under batch / head sharding: `probs` (attnaux's generator, which follows each shard's
   global origin) draws the unsharded call's keep-mask; cuDNN `flash`, whose generator cannot,
   raises (docs/sharding.md).
@@ -152,6 +153,48 @@ def test_flash_sharded_over_batch_and_heads_is_shard_local(spec_name, case):
         assert not found, f"{spec_name} {what}: collectives in the compiled HLO: {found}"
     grads, values = jax.jit(grad)(*sharded)
     want_grads, want = jax.jit(grad)(*one_gpu(q, k, v, *extra))
+    check(values, grads, want, want_grads)
+
+
+def _hopper_case(case, batch, heads, seq):
+    """Options of a call that `flash` serves on attnaux's Hopper kernels: segment ids
+    (`_hopper_packed`) or score_mod/mask_mod reading the batch and head index and a captured
+    per-head array (`_hopper_mods`)."""
+    rng = np.random.default_rng(1)
+    if case == "segment_ids":
+        ids = jnp.asarray(np.sort(rng.integers(0, 4, (batch, seq)), axis=1), jnp.int32)
+        return dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    slopes = jnp.asarray(rng.uniform(0.01, 0.1, heads), jnp.float32)
+    return dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j) + 0.05 * b,
+                mask_mod=lambda b, h, i, j: (j <= i) | (h % 2 == 0))
+
+
+@pytest.mark.parametrize("spec_name", ["batch", "heads"])
+@pytest.mark.parametrize("case", ["segment_ids", "score_mod"])
+def test_hopper_kernels_sharded_over_batch_and_heads_are_shard_local(spec_name, case):
+    """The Hopper kernel calls are partitioned like the cuDNN ones: each GPU runs its shard
+    (no collective in the compiled forward or gradients) and the shards see their global
+    batch and head indices (the score_mod reads both)."""
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    n = len(GPUS)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P("data") if spec_name == "batch" else P(None, None, "data")
+    batch, heads, kv_heads, seq = 2 * n, 4 * n, 2 * n, 384
+    q, k, v = inputs(batch, seq, heads, kv_heads, 128, seed=4)
+    options = dict(_hopper_case(case, batch, heads, seq), backend="flash")
+    assert "Hopper" in str(ax.explain(*one_gpu(q, k, v), **options))
+
+    def attend(q, k, v):
+        return ax.attention(q, k, v, **options)
+
+    grad = jax.grad(probe_loss(attend), argnums=(0, 1, 2), has_aux=True)
+    sharded = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+    for what, fn in (("forward", jax.jit(attend)), ("gradients", jax.jit(grad))):
+        found = collectives(fn.lower(*sharded).compile().as_text())
+        assert not found, f"{case} {spec_name} {what}: collectives in the compiled HLO: {found}"
+    grads, values = jax.jit(grad)(*sharded)
+    want_grads, want = jax.jit(grad)(*one_gpu(q, k, v))
     check(values, grads, want, want_grads)
 
 
