@@ -99,7 +99,8 @@ class Geometry:
 class TileFn:
     """A function traced into the kernels: `fn(s, q_pos, kv_pos, b, h, rows, cols) -> (s,
     visible | None)`. `s` float32 scores of a tile, `q_pos`/`kv_pos` int32 tiles of the global
-    positions, `b`/`h` int32 scalars, `rows`/`cols` tuples of float32 tiles (the per-row and
+    positions, `b`/`h` int32 scalars (the batch and query-head index; from the kernels'
+    `indices` where given), `rows`/`cols` tuples of float32 tiles (the per-row and
     per-column inputs broadcast). `n_rows`/`n_cols`: how many inputs of each kind. `key`: a
     hashable identity (the score program), so that the kernels are cached per function."""
 

@@ -16,6 +16,10 @@ follows that:
 A captured array read at an index that depends on both positions (a relative-position table
 indexed by `q_idx - kv_idx`) has no place in the kernel: `split` raises `Untranslatable`, and
 flex serves the call.
+
+Under SPMD the kernel calls run per shard of batch and heads, as `_hopper_packed`'s (rows, cols
+and the block tables sliced with the shard); the tile function takes the batch and head index
+of each entry from operands sliced the same way, so a shard's call sees the global indices.
 """
 
 import dataclasses
