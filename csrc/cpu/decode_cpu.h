@@ -159,50 +159,88 @@ inline bool GemmKeyRows(int64_t row_step, int64_t rows, int64_t depth, const flo
   }
 }
 
+// The next tile's K and V lines that one product call asks for (into L2) as it goes: `k_lines`
+// lines from `k` and `v_lines` from `v`, one of each per step of the call's loop while any are
+// left.
+struct AskShare {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t k_lines = 0, v_lines = 0;
+};
+
+inline void AskStep(const AskShare& ask, int64_t x) {
+  if (x < ask.k_lines) __builtin_prefetch(ask.k + x * 64, 0, 2);
+  if (x < ask.v_lines) __builtin_prefetch(ask.v + x * 64, 0, 2);
+}
+
+// What the score products of a whole tile of keys do to a block's dot products before they are
+// stored (the scalar passes over the tile's scores cost about as much as the products): times
+// the scale, -inf where a lane's row does not see the key (lanes see [lo, hi), key indices exact
+// as floats), and the running tile maximum per lane. The same roundings and maximum order as
+// those passes.
+struct ScoreMask {
+  float scale = 1.0f;
+  VecF lo{}, hi{};
+  VecF tile_max{};
+};
+
 // GemmKeyRows' blocks of kKeyBlock keys for one vector of rows (width 1), each block's depth
-// loop also asking (into L2) for `ahead_lines` lines from each of `ahead_k` and `ahead_v`, a
-// line of each per step of the depth: the next tile's rows, a share per block. A pass in memory
-// order before a tile's products has nothing to overlap its reads (a core: ~12.5 GB/s of K and V
-// from memory, ~18.7 from L3); requests spread this thin between the products overlap part of
-// them (n 16, d 128, 8 kv heads: ~13.5 a core, two ~25.0 against ~23.6). Requests in bursts (a
-// kv head's next rows, or a share of keys, at once) gained nothing. The same FMAs in the same
-// order as GemmKeyRows: the same bits.
-template <int64_t kRowStep>
+// loop also asking for its share of the next tile (AskShare). A pass in memory order before a
+// tile's products has nothing to overlap its reads (a core: ~12.5 GB/s of K and V from memory,
+// ~18.7 from L3); requests spread thin between the products overlap part of them. Requests in
+// bursts (a kv head's next rows, or a share of keys, at once) gained nothing. The same FMAs in
+// the same order as GemmKeyRows: the same bits. With `mask` (kMasked), its epilogue on the
+// block of keys from `first_key`.
+template <int64_t kRowStep, bool kMasked>
 inline void KeyBlockAsking(int64_t depth, const float* k, const float* b, float* c,
-                           const char* ahead_k, const char* ahead_v, int64_t ahead_lines) {
+                           const AskShare& ask, ScoreMask* mask, float first_key) {
   VecF acc[kKeyBlock];
   for (int r = 0; r < kKeyBlock; ++r) acc[r] = VecF{};
   for (int64_t x = 0; x < depth; ++x) {
-    if (x < ahead_lines) {
-      __builtin_prefetch(ahead_k + x * 64, 0, 2);
-      __builtin_prefetch(ahead_v + x * 64, 0, 2);
-    }
+    AskStep(ask, x);
     const VecF bv = Load(b + x * kLanes);
     for (int r = 0; r < kKeyBlock; ++r) acc[r] += Splat(k[r * kRowStep + x]) * bv;
+  }
+  if constexpr (kMasked) {
+    VecF tile_max = mask->tile_max;
+    for (int r = 0; r < kKeyBlock; ++r) {
+      const VecF key = Splat(first_key + static_cast<float>(r));
+      const VecF x = acc[r] * mask->scale;
+      acc[r] = key >= mask->lo && key < mask->hi ? x : Splat(-kInf);
+      tile_max = Max(tile_max, acc[r]);
+    }
+    mask->tile_max = tile_max;
   }
   for (int r = 0; r < kKeyBlock; ++r) Store(c + r * kLanes, acc[r]);
 }
 
-// Whether `rows` rows of `width` floats (a multiple of kLanes), `step` floats apart, are all
-// finite: x * 0 is 0 for finite x and NaN otherwise, summed, then one look at the lanes. Eight
-// sums (one per row modulo 8): in one chain the FMAs cost their latency each.
-inline bool RowsAllFinite(const float* x, int64_t step, int64_t rows, int64_t width) {
-  constexpr int kSums = 8;
-  VecF acc[kSums] = {};
-  int64_t j = 0;
-  for (; j + kSums <= rows; j += kSums) {
-    for (int64_t e = 0; e < width; e += kLanes) {
-      for (int i = 0; i < kSums; ++i) acc[i] += Load(x + (j + i) * step + e) * 0.0f;
-    }
+// One block of kLanes value columns of O^T += V^T P^T over `keys` keys (one vector of rows):
+// out[x][lanes] = alpha * in[x][lanes] + sum_k v[k * v_step + x] p[k][lanes], the output's
+// rescaling folded into the accumulators' load, the loop asking for its share of the next tile
+// (AskShare). GemmLanes' FMAs in its order after the same rounded rescaling: the same bits.
+// Adds out * 0 to `finite` (NaN in a lane when an output is not finite): a NaN or inf in a value
+// row reaches every lane (0 * inf is NaN), so this check of the result replaces one of V's rows.
+inline void ValueBlockAsking(int64_t keys, const float* v, int64_t v_step, const float* p,
+                             VecF alpha, const float* in, float* out, const AskShare& ask,
+                             VecF* finite) {
+  constexpr int kCols = kLanes;
+  VecF acc[kCols];
+  for (int x = 0; x < kCols; ++x) {
+    acc[x] = Load(in + x * kLanes) * alpha;
+    // the rescaled value is rounded before the products add to it (no contraction into an FMA)
+    asm("" : "+v"(acc[x]));
   }
-  for (; j < rows; ++j) {
-    for (int64_t e = 0; e < width; e += kLanes) acc[0] += Load(x + j * step + e) * 0.0f;
+  for (int64_t j = 0; j < keys; ++j) {
+    AskStep(ask, j);
+    const VecF pv = Load(p + j * kLanes);
+    for (int x = 0; x < kCols; ++x) acc[x] += Splat(v[j * v_step + x]) * pv;
   }
-  VecF all = VecF{};
-  for (int i = 0; i < kSums; ++i) all += acc[i];
-  bool finite = true;
-  for (int lane = 0; lane < kLanes; ++lane) finite &= all[lane] == 0.0f;
-  return finite;
+  VecF zero_if_finite[2] = {};
+  for (int x = 0; x < kCols; ++x) {
+    Store(out + x * kLanes, acc[x]);
+    zero_if_finite[x % 2] += acc[x] * 0.0f;
+  }
+  *finite += zero_if_finite[0] + zero_if_finite[1];
 }
 
 inline bool KeyRowStepCompiled(int64_t row_step) {
@@ -676,12 +714,16 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       vstage.assign((direct ? 1 : hk) * kDecodeTile * dvp, 0.0f);
     }
     std::vector<float> s(hk * n * kDecodeTile);
-    // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head
+    // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head;
+    // O^T twice per kv head: ValueBlockAsking writes a tile's result next to the one it read
+    // (which stays for a redo when the result is not finite), `o_second` says which is current
     std::vector<float> qt, ot, ml, ll, st, range_lo, range_hi;
+    std::vector<char> o_second;
     std::vector<VecF> finite_sums;  // x * 0 summed over a tile's V rows, per kv head
     if (gemm) {
       qt.assign(hk * d * np, 0.0f);
-      ot.assign(hk * dvp * np, 0.0f);
+      ot.assign(2 * hk * dvp * np, 0.0f);
+      o_second.assign(hk, 0);
       ml.assign(hk * np, -kInf);
       ll.assign(hk * np, 0.0f);
       st.assign(kDecodeTile * np, 0.0f);
@@ -728,13 +770,39 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       const int64_t k_step = in_place ? hk * d : dp, v_step = in_place ? hk * dv : dvp;
       std::vector<char> bad(hk, 0);
       // whole tiles of rows 1024 or 2048 floats per key (every kv head) and one vector of rows
-      // (np == kLanes): the products ask for the next tile as they go (KeyBlockAsking), and
-      // check their kv head's V rows from L2; otherwise, and for the task's first tile, one pass
-      // in memory order first
+      // (np == kLanes): the products ask for the next tile as they go (KeyBlockAsking,
+      // ValueBlockAsking), and check their results instead of V's rows; otherwise, and for the
+      // task's first tile, one pass in memory order first
       const bool asking = in_place && np == kLanes && (k_step == 1024 || k_step == 2048) &&
                           d % kKeyBlock == 0;
       const bool asked = asking && asked_tile == j0;
+      // the score products scale, mask and take the tile maximum themselves (ScoreMask)
+      const bool masked = asking && p.softcap == 0.0f && exact_keys;
       asked_tile = -1;
+      // the next tile's K and V (contiguous), asked for by every product call of this tile, a
+      // share in proportion to its loop's steps: (kDecodeTile / kKeyBlock) score blocks of d
+      // steps and dv / kLanes value blocks of kDecodeTile steps per kv head
+      const bool ask_next = asking && j1 + kDecodeTile <= c1;
+      const int64_t k_tile_lines = ask_next ? kDecodeTile * k_step * 4 / 64 : 0;
+      const int64_t v_tile_lines = ask_next ? kDecodeTile * v_step * 4 / 64 : 0;
+      const int64_t score_steps = kDecodeTile / kKeyBlock * d, value_steps = dv / kLanes * kDecodeTile;
+      const int64_t tile_steps = hk * (score_steps + value_steps);
+      const char* next_k = reinterpret_cast<const char*>(static_cast<const float*>(p.k) +
+                                                         (b * p.kv_len + j1) * k_step);
+      const char* next_v = reinterpret_cast<const char*>(static_cast<const float*>(p.v) +
+                                                         (b * p.kv_len + j1) * v_step);
+      int64_t steps_done = 0;  // this tile's product steps so far
+      auto share = [&](int64_t steps) {
+        const int64_t k0 = k_tile_lines * steps_done / tile_steps;
+        const int64_t v0 = v_tile_lines * steps_done / tile_steps;
+        steps_done += steps;
+        AskShare ask;
+        ask.k = next_k + k0 * 64;
+        ask.v = next_v + v0 * 64;
+        ask.k_lines = k_tile_lines * steps_done / tile_steps - k0;
+        ask.v_lines = v_tile_lines * steps_done / tile_steps - v0;
+        return ask;
+      };
       if (in_place && !asked) {  // V's rows in memory order; one look at the lanes per kv head
         // K's rows are asked for (into L2) in the same memory-order pass: the products read
         // them head by head, 4 KiB apart, which the prefetchers follow poorly
@@ -781,36 +849,41 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         const float* vh = in_place
             ? static_cast<const float*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv
             : vstage.data() + hkv * kDecodeTile * dvp;
-        if (asked) bad[hkv] = !RowsAllFinite(vh, v_step, kDecodeTile, dv);
         // Rows in the lanes: S^T [keys][np] = K Q^T
+        ScoreMask mask;
+        if (masked) {
+          mask.scale = p.scale;
+          mask.lo = Load(range_lo.data() + hkv * np);
+          mask.hi = Load(range_hi.data() + hkv * np);
+          mask.tile_max = Splat(-kInf);
+        }
         if (asking) {
-          // the next tile's K and V (contiguous, `tile_bytes` each), a share per block
-          const bool ask_next = j1 + kDecodeTile <= c1;
-          const int64_t tile_bytes = kDecodeTile * k_step * 4;
-          const int64_t shares = hk * (kDecodeTile / kKeyBlock);
-          const char* next_k = reinterpret_cast<const char*>(
-              static_cast<const float*>(p.k) + (b * p.kv_len + j1) * k_step);
-          const char* next_v = reinterpret_cast<const char*>(
-              static_cast<const float*>(p.v) + (b * p.kv_len + j1) * v_step);
           for (int64_t jb = 0; jb < kDecodeTile; jb += kKeyBlock) {
-            const int64_t share = hkv * (kDecodeTile / kKeyBlock) + jb / kKeyBlock;
-            const int64_t from = share * tile_bytes / shares / 64 * 64;
-            const int64_t to = (share + 1) * tile_bytes / shares / 64 * 64;
-            const int64_t lines = ask_next ? (to - from) / 64 : 0;
             const float* q = qt.data() + hkv * d * np;
             float* c = st.data() + jb * np;
+            const AskShare ask = share(d);
+            const float first_key = static_cast<float>(j0 + jb);
+#define ATTNAUX_KEY_BLOCK(STEP)                                                          \
+  if (masked) {                                                                          \
+    KeyBlockAsking<STEP, true>(d, kh + jb * k_step, q, c, ask, &mask, first_key);        \
+  } else {                                                                               \
+    KeyBlockAsking<STEP, false>(d, kh + jb * k_step, q, c, ask, nullptr, first_key);     \
+  }
             if (k_step == 1024) {
-              KeyBlockAsking<1024>(d, kh + jb * k_step, q, c, next_k + from, next_v + from, lines);
+              ATTNAUX_KEY_BLOCK(1024)
             } else {
-              KeyBlockAsking<2048>(d, kh + jb * k_step, q, c, next_k + from, next_v + from, lines);
+              ATTNAUX_KEY_BLOCK(2048)
             }
+#undef ATTNAUX_KEY_BLOCK
           }
           if (ask_next && hkv == hk - 1) asked_tile = j1;
         } else {
           GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
                       np / kLanes, st.data(), np);
         }
-        if (p.softcap > 0.0f || !exact_keys) {
+        if (masked) {
+          // done by the products
+        } else if (p.softcap > 0.0f || !exact_keys) {
           for (int64_t j = 0; j < kDecodeTile; ++j) {
             float* sj = st.data() + j * np;
             for (int64_t r = 0; r < np; ++r) {
@@ -838,10 +911,14 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         }
         float* m = ml.data() + hkv * np;
         float* l = ll.data() + hkv * np;
-        float* oth = ot.data() + hkv * dvp * np;
+        float* oth = ot.data() + (o_second[hkv] * hk + hkv) * dvp * np;
+        VecF alpha_asking{};  // the rescaling of a vector of rows (np == kLanes when asking)
         for (int64_t v = 0; v < np; v += kLanes) {
-          VecF tile_max = Splat(-kInf);
-          for (int64_t j = 0; j < kDecodeTile; ++j) tile_max = Max(tile_max, Load(st.data() + j * np + v));
+          VecF tile_max = mask.tile_max;
+          if (!masked) {
+            tile_max = Splat(-kInf);
+            for (int64_t j = 0; j < kDecodeTile; ++j) tile_max = Max(tile_max, Load(st.data() + j * np + v));
+          }
           const VecF m_old = Load(m + v);
           const VecF m_new = Max(m_old, tile_max);
           const VecF m_use = m_new == -kInf ? VecF{} : m_new;
@@ -855,9 +932,33 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           }
           Store(l + v, Load(l + v) * alpha + sum);
           Store(m + v, m_new);
+          if (asking) {  // (ValueBlockAsking rescales)
+            alpha_asking = alpha;
+            continue;
+          }
           for (int64_t x = 0; x < dvp; ++x) Store(oth + x * np + v, Load(oth + x * np + v) * alpha);
         }
-        if (!bad[hkv]) {  // O^T += V^T P^T (keys past nk have P = 0 and zero rows)
+        if (asking) {  // O^T' = alpha O^T + V^T P^T into the other copy; a redo if not finite
+          float* next = ot.data() + ((1 - o_second[hkv]) * hk + hkv) * dvp * np;
+          VecF finite{};
+          for (int64_t x = 0; x < dv; x += kLanes) {
+            ValueBlockAsking(kDecodeTile, vh + x, v_step, st.data(), alpha_asking, oth + x * np,
+                             next + x * np, share(kDecodeTile), &finite);
+          }
+          o_second[hkv] ^= 1;
+          bool all_finite = true;
+          for (int lane = 0; lane < kLanes; ++lane) all_finite &= finite[lane] == 0.0f;
+          if (!all_finite) {  // NaN or inf somewhere: only the keys a row sees
+            for (int64_t x = 0; x < dvp; ++x) Store(next + x * np, Load(oth + x * np) * alpha_asking);
+            for (int64_t j = 0; j < nk; ++j) {
+              for (int64_t r = 0; r < n; ++r) {
+                const float pr = st[j * np + r];
+                if (pr == 0.0f) continue;
+                for (int64_t x = 0; x < dv; ++x) next[x * np + r] += pr * vh[j * v_step + x];
+              }
+            }
+          }
+        } else if (!bad[hkv]) {  // O^T += V^T P^T (keys past nk have P = 0 and zero rows)
           GemmLanes<1>(dv, kDecodeTile, vh, v_step, st.data(), np, np / kLanes, oth, np, true);
         } else {  // a value row holds NaN or inf: only the keys a row sees
           for (int64_t j = 0; j < nk; ++j) {
@@ -876,7 +977,8 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         for (int64_t r = 0; r < n; ++r) {
           m[r] = ml[hkv * np + r];
           m[n + r] = ll[hkv * np + r];
-          for (int64_t x = 0; x < dv; ++x) m[2 * n + r * dvp + x] = ot[(hkv * dvp + x) * np + r];
+          const float* oth = ot.data() + (o_second[hkv] * hk + hkv) * dvp * np;
+          for (int64_t x = 0; x < dv; ++x) m[2 * n + r * dvp + x] = oth[x * np + r];
         }
       }
     }
