@@ -160,8 +160,10 @@ inline bool GemmKeyRows(int64_t row_step, int64_t rows, int64_t depth, const flo
 }
 
 // The next tile's K and V lines that one product call asks for (into L2) as it goes: `k_lines`
-// lines from `k` and `v_lines` from `v`, one of each per step of the call's loop while any are
-// left.
+// lines from `k`, then `v_lines` from `v`, one per step of the call's loop while any are left.
+// One request per step rather than a K and a V line each of the first steps: a core streamed
+// ~5% faster (n 16, d 128, 8 kv heads: ~17.5 -> ~18.5 GB/s). A request every steps / lines
+// steps instead was not measured: GCC dropped the prefetches behind that test.
 struct AskShare {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -169,8 +171,11 @@ struct AskShare {
 };
 
 inline void AskStep(const AskShare& ask, int64_t x) {
-  if (x < ask.k_lines) __builtin_prefetch(ask.k + x * 64, 0, 2);
-  if (x < ask.v_lines) __builtin_prefetch(ask.v + x * 64, 0, 2);
+  if (x < ask.k_lines) {
+    __builtin_prefetch(ask.k + x * 64, 0, 2);
+  } else if (x - ask.k_lines < ask.v_lines) {
+    __builtin_prefetch(ask.v + (x - ask.k_lines) * 64, 0, 2);
+  }
 }
 
 // What the score products of a whole tile of keys do to a block's dot products before they are
