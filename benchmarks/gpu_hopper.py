@@ -6,8 +6,8 @@
 bf16 plain attention (no mask function), forward and forward+backward (`jax.vjp` of out with a
 fixed cotangent), side by side and taking turns (`gpu_flash.timed`):
 
-- `hopper`: attnaux's Pallas kernels (`_flash_hopper`; the backward is its two kernels, dK/dV
-  and dQ), through the custom VJP that `flash` uses for score_mod/mask_mod;
+- `hopper`: attnaux's Pallas kernels (`_flash_hopper.forward`, and its two backward kernels,
+  dK/dV and dQ, as the VJP), called directly;
 - `cudnn`: `attnaux.attention(backend="flash")` (cuDNN through attnaux's FFI handlers, what
   `auto` runs for plain attention on GPU);
 - `fa3`: FlashAttention-3 (`dew_flash_attn.flash_mha`, which must be importable).
@@ -18,6 +18,7 @@ BENCHMARKS.md), and FA3's time over each one's (1.0 = parity, above = faster tha
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -26,7 +27,6 @@ import jax.numpy as jnp
 
 import attnaux
 from attnaux import _flash_hopper as fh
-from attnaux import _hopper_mods as hm
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dew_flash_attn  # noqa: E402
@@ -35,14 +35,36 @@ from gpu_flash import SHAPES, timed  # noqa: E402
 PEAK_TFLOPS = 798.0  # H100 SXM dense bf16 wgmma, measured (BENCHMARKS.md)
 
 
-def hopper_attention(q, k, v, causal):
-    """out of the Hopper kernels through `_hopper_mods`' custom VJP (the path `flash` takes
-    for score_mod/mask_mod), plain attention."""
+def _kernels(q, causal):
     b, s, h, d = q.shape
-    st = hm.Static(None, None, d ** -0.5, fh.Geometry(causal, None, 0, s, s),
-                   fh.default_config(d), None)
-    none = jnp.zeros((b, h, 0, s), jnp.float32)
-    return hm._kernel_call(st, q, k, v, none, none)[0]
+    none = jnp.zeros((b, h, 0, s), jnp.float32)  # no row or column inputs
+    return none, dict(scale=d ** -0.5, softcap=None, geometry=fh.Geometry(causal, None, 0, s, s),
+                      tile_fn=None, config=fh.default_config(d))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def hopper_attention(q, k, v, causal):
+    """out of the Hopper kernels (`_flash_hopper.forward`), their two-kernel backward as the
+    VJP: plain attention, sequence lengths a multiple of 128 (no padding)."""
+    none, statics = _kernels(q, causal)
+    return fh.forward(q, k, v, none, none, **statics)[0]
+
+
+def _forward(q, k, v, causal):
+    none, statics = _kernels(q, causal)
+    out, lse, _ = fh.forward(q, k, v, none, none, **statics)
+    return out, (q, k, v, out, lse)
+
+
+def _backward(causal, saved, dout):
+    q, k, v, out, lse = saved
+    none, statics = _kernels(q, causal)
+    dq, dk, dv, _, _ = fh.backward(q, k, v, out, lse, dout, jnp.zeros_like(lse), none, none,
+                                   **statics)
+    return dq, dk, dv
+
+
+hopper_attention.defvjp(_forward, _backward)
 
 
 CANDIDATES = {
