@@ -24,7 +24,7 @@ by one warpgroup in a fixed order, so the gradients are bitwise reproducible.
 
 Why not FlashAttention-3's single backward kernel (dQ reduce-added in float32 from the dK/dV
 kernel, 5 matrix products per tile pair instead of 7): it was built and measured (H100, bf16,
-4x2048 and 2x4096 x16x128, `benchmarks/gpu_hopper.py`), correct, and 0.67-0.79x the speed of
+4x2048 and 2x4096 x16x128, `benchmarks/gpu_hopper.py`), correct, and 0.71-0.81x the speed of
 these two kernels forward+backward. In these kernels every wgmma result is awaited before the
 next step, so the dS exchange between the warpgroups, the float32 staging and the second product
 lengthen each step's critical path; without the reduce-adds it was still 0.83-0.85x.
