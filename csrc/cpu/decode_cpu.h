@@ -159,22 +159,37 @@ inline bool GemmKeyRows(int64_t row_step, int64_t rows, int64_t depth, const flo
   }
 }
 
-// The next tile's K and V lines that one product call asks for (into L2) as it goes: `k_lines`
-// lines from `k`, then `v_lines` from `v`, one per step of the call's loop while any are left.
-// One request per step rather than a K and a V line each of the first steps: a core streamed
-// ~5% faster (n 16, d 128, 8 kv heads: ~17.5 -> ~18.5 GB/s). A request every steps / lines
-// steps instead was not measured: GCC dropped the prefetches behind that test.
+// The lines that one product call asks for (into L2) as it goes, one per step of its loop while
+// any are left: `lines` lines of rows `row_lines` lines long, `stride` bytes apart, from line
+// `first_col` of the row at `row`. The products of a kv head ask for the next kv head's rows
+// (its keys' rows 4 KiB apart), not the next tile in memory order: a whole tile ahead (512 KiB
+// of K and V with 8 kv heads, d 128) plus the tile in use fill the 1 MiB L2, and the requests
+// evicted the tile's V rows before their products read them (under JAX, n 16: 24.9-28.8 ->
+// 33.4-35.5 GB/s on 2 cores; the standalone harness, which lost fewer, 32-33.8 -> 33-34.8).
 struct AskShare {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t k_lines = 0, v_lines = 0;
+  const char* row = nullptr;
+  int64_t lines = 0, row_lines = 1, first_col = 0, stride = 0;
 };
 
-inline void AskStep(const AskShare& ask, int64_t x) {
-  if (x < ask.k_lines) {
-    __builtin_prefetch(ask.k + x * 64, 0, 2);
-  } else if (x - ask.k_lines < ask.v_lines) {
-    __builtin_prefetch(ask.v + (x - ask.k_lines) * 64, 0, 2);
+// The cursor of an AskShare in a product's loop.
+struct AskCursor {
+  const char* line;
+  int64_t left_in_row;
+  const char* next_row;
+  explicit AskCursor(const AskShare& ask)
+      : line(ask.row + ask.first_col * 64), left_in_row(ask.row_lines - ask.first_col),
+        next_row(ask.row + ask.stride) {}
+};
+
+inline void AskStep(const AskShare& ask, AskCursor& cursor, int64_t x) {
+  if (x < ask.lines) {
+    __builtin_prefetch(cursor.line, 0, 2);
+    cursor.line += 64;
+    if (--cursor.left_in_row == 0) {
+      cursor.line = cursor.next_row;
+      cursor.next_row += ask.stride;
+      cursor.left_in_row = ask.row_lines;
+    }
   }
 }
 
@@ -190,7 +205,7 @@ struct ScoreMask {
 };
 
 // GemmKeyRows' blocks of kKeyBlock keys for one vector of rows (width 1), each block's depth
-// loop also asking for its share of the next tile (AskShare). A pass in memory order before a
+// loop also asking for its share of the next kv head's K rows (AskShare). A pass in memory order before a
 // tile's products has nothing to overlap its reads (a core: ~12.5 GB/s of K and V from memory,
 // ~18.7 from L3); requests spread thin between the products overlap part of them. Requests in
 // bursts (a kv head's next rows, or a share of keys, at once) gained nothing. The same FMAs in
@@ -201,8 +216,9 @@ inline void KeyBlockAsking(int64_t depth, const float* k, const float* b, float*
                            const AskShare& ask, ScoreMask* mask, float first_key) {
   VecF acc[kKeyBlock];
   for (int r = 0; r < kKeyBlock; ++r) acc[r] = VecF{};
+  AskCursor cursor(ask);
   for (int64_t x = 0; x < depth; ++x) {
-    AskStep(ask, x);
+    AskStep(ask, cursor, x);
     const VecF bv = Load(b + x * kLanes);
     for (int r = 0; r < kKeyBlock; ++r) acc[r] += Splat(k[r * kRowStep + x]) * bv;
   }
@@ -221,8 +237,8 @@ inline void KeyBlockAsking(int64_t depth, const float* k, const float* b, float*
 
 // One block of kLanes value columns of O^T += V^T P^T over `keys` keys (one vector of rows):
 // out[x][lanes] = alpha * in[x][lanes] + sum_k v[k * v_step + x] p[k][lanes], the output's
-// rescaling folded into the accumulators' load, the loop asking for its share of the next tile
-// (AskShare). GemmLanes' FMAs in its order after the same rounded rescaling: the same bits.
+// rescaling folded into the accumulators' load, the loop asking for its share of the next kv
+// head's V rows (AskShare). GemmLanes' FMAs in its order after the same rounded rescaling: the same bits.
 // Adds out * 0 to `finite` (NaN in a lane when an output is not finite): a NaN or inf in a value
 // row reaches every lane (0 * inf is NaN), so this check of the result replaces one of V's rows.
 inline void ValueBlockAsking(int64_t keys, const float* v, int64_t v_step, const float* p,
@@ -235,8 +251,9 @@ inline void ValueBlockAsking(int64_t keys, const float* v, int64_t v_step, const
     // the rescaled value is rounded before the products add to it (no contraction into an FMA)
     asm("" : "+v"(acc[x]));
   }
+  AskCursor cursor(ask);
   for (int64_t j = 0; j < keys; ++j) {
-    AskStep(ask, j);
+    AskStep(ask, cursor, j);
     const VecF pv = Load(p + j * kLanes);
     for (int x = 0; x < kCols; ++x) acc[x] += Splat(v[j * v_step + x]) * pv;
   }
@@ -775,7 +792,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       const int64_t k_step = in_place ? hk * d : dp, v_step = in_place ? hk * dv : dvp;
       std::vector<char> bad(hk, 0);
       // whole tiles of rows 1024 or 2048 floats per key (every kv head) and one vector of rows
-      // (np == kLanes): the products ask for the next tile as they go (KeyBlockAsking,
+      // (np == kLanes): the products ask for the next kv head's rows as they go (KeyBlockAsking,
       // ValueBlockAsking), and check their results instead of V's rows; otherwise, and for the
       // task's first tile, one pass in memory order first
       const bool asking = in_place && np == kLanes && (k_step == 1024 || k_step == 2048) &&
@@ -784,28 +801,24 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       // the score products scale, mask and take the tile maximum themselves (ScoreMask)
       const bool masked = asking && p.softcap == 0.0f && exact_keys;
       asked_tile = -1;
-      // the next tile's K and V (contiguous), asked for by every product call of this tile, a
-      // share in proportion to its loop's steps: (kDecodeTile / kKeyBlock) score blocks of d
-      // steps and dv / kLanes value blocks of kDecodeTile steps per kv head
+      // each kv head's products ask for the next kv head's K rows (the score blocks) and V rows
+      // (the value blocks), the last one's for the next tile's first kv head, a share per call
       const bool ask_next = asking && j1 + kDecodeTile <= c1;
-      const int64_t k_tile_lines = ask_next ? kDecodeTile * k_step * 4 / 64 : 0;
-      const int64_t v_tile_lines = ask_next ? kDecodeTile * v_step * 4 / 64 : 0;
-      const int64_t score_steps = kDecodeTile / kKeyBlock * d, value_steps = dv / kLanes * kDecodeTile;
-      const int64_t tile_steps = hk * (score_steps + value_steps);
-      const char* next_k = reinterpret_cast<const char*>(static_cast<const float*>(p.k) +
-                                                         (b * p.kv_len + j1) * k_step);
-      const char* next_v = reinterpret_cast<const char*>(static_cast<const float*>(p.v) +
-                                                         (b * p.kv_len + j1) * v_step);
-      int64_t steps_done = 0;  // this tile's product steps so far
-      auto share = [&](int64_t steps) {
-        const int64_t k0 = k_tile_lines * steps_done / tile_steps;
-        const int64_t v0 = v_tile_lines * steps_done / tile_steps;
-        steps_done += steps;
+      auto share = [&](const void* base, int64_t width, int64_t step, int64_t hkv_now,
+                       int64_t call, int64_t calls) {
         AskShare ask;
-        ask.k = next_k + k0 * 64;
-        ask.v = next_v + v0 * 64;
-        ask.k_lines = k_tile_lines * steps_done / tile_steps - k0;
-        ask.v_lines = v_tile_lines * steps_done / tile_steps - v0;
+        const int64_t g = hkv_now + 1;
+        if (g == hk && !ask_next) return ask;
+        const int64_t key = g == hk ? j1 : j0;
+        ask.row = reinterpret_cast<const char*>(static_cast<const float*>(base) +
+                                                (b * p.kv_len + key) * step + g % hk * width);
+        ask.row_lines = CeilDiv(width * 4, int64_t{64});
+        ask.stride = step * 4;
+        const int64_t total = kDecodeTile * ask.row_lines;
+        const int64_t from = total * call / calls, to = total * (call + 1) / calls;
+        ask.row += from / ask.row_lines * ask.stride;
+        ask.first_col = from % ask.row_lines;
+        ask.lines = to - from;
         return ask;
       };
       if (in_place && !asked) {  // V's rows in memory order; one look at the lanes per kv head
@@ -866,7 +879,8 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           for (int64_t jb = 0; jb < kDecodeTile; jb += kKeyBlock) {
             const float* q = qt.data() + hkv * d * np;
             float* c = st.data() + jb * np;
-            const AskShare ask = share(d);
+            const AskShare ask =
+                share(p.k, d, k_step, hkv, jb / kKeyBlock, kDecodeTile / kKeyBlock);
             const float first_key = static_cast<float>(j0 + jb);
 #define ATTNAUX_KEY_BLOCK(STEP)                                                          \
   if (masked) {                                                                          \
@@ -948,7 +962,8 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           VecF finite{};
           for (int64_t x = 0; x < dv; x += kLanes) {
             ValueBlockAsking(kDecodeTile, vh + x, v_step, st.data(), alpha_asking, oth + x * np,
-                             next + x * np, share(kDecodeTile), &finite);
+                             next + x * np, share(p.v, dv, v_step, hkv, x / kLanes, dv / kLanes),
+                             &finite);
           }
           o_second[hkv] ^= 1;
           bool all_finite = true;
