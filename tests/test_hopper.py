@@ -124,6 +124,43 @@ def test_kernels_against_float32_reference(case):
             _close(g.astype(jnp.float32), r, 3e-2, name)
 
 
+def test_lengths_and_segment_ids_reach_the_kernels_in_the_mask_mod(monkeypatch):
+    """On a Hopper GPU a call with functions and lengths / segment ids runs on the kernels with
+    those folded into the mask_mod (`_mods.rules_as_mask`). Here on CPU, with the kernels'
+    stand-in (`hopper_emulation`) and the platform checks answering as a Hopper GPU would: the
+    dispatch takes that path and the result equals `reference` (NaN past the lengths)."""
+    from hopper_emulation import emulated_kernels
+
+    from attnaux import _mods
+
+    class AsOnAGpu:
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        @staticmethod
+        def default_backend():
+            return "gpu"
+
+    monkeypatch.setattr(fh, "device_unavailable", lambda q, k, v: None)
+    monkeypatch.setattr(_mods, "jax", AsOnAGpu())
+    keys = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(keys[0], (B, S, HQ, D))
+    k, v = (jax.random.normal(x, (B, S, HK, D)) for x in keys[1:])
+    q_len, kv_len = jnp.asarray([250, 61]), jnp.asarray([320, 130])
+    q = jnp.where(jnp.arange(S)[None, :, None, None] >= q_len[:, None, None, None], jnp.nan, q)
+    ids = DOCS[None].repeat(B, 0)
+    options = dict(causal="bottom_right", window=(50, 0), q_seqlens=q_len, kv_seqlens=kv_len,
+                   q_segment_ids=ids, kv_segment_ids=ids,
+                   score_mod=lambda s, b, h, i, j: s + SLOPES[h] * (j - i))
+    assert "folded into the mask_mod" in str(ax.explain(q, k, v, **options))
+    with emulated_kernels():
+        out, aux = jax.jit(lambda q, k, v: ax.attention(q, k, v, **options))(q, k, v)
+    assert aux.backend == "flash"
+    want, want_aux = ax.attention(q, k, v, backend="reference", **options)
+    _close(out, want, 1e-5, "out")
+    _close(aux.lse, want_aux.lse, 1e-5, "lse")
+
+
 # ---- score_mod / mask_mod through attnaux.attention
 B, S, HQ, HK, D = 2, 320, 4, 2, 64  # 320: a ragged last 128-row block
 SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
@@ -144,6 +181,17 @@ MOD_CASES = {
         causal="bottom_right",
         score_mod=lambda s, b, h, i, j: s + ((i * 7 + j) % 5) * 0.1 - (i // 3) * 0.01,
         mask_mod=lambda b, h, i, j: (h != 1) | (j % 3 != 0)),
+    # lengths, segment ids and the moving bottom-right diagonal folded into the mask_mod
+    # (`_mods.rules_as_mask`), so the kernels serve them too
+    "lengths_bottom_right_window_alibi": lambda p: dict(
+        causal="bottom_right", window=(50, 0), q_seqlens=jnp.asarray([250, 61], jnp.int32),
+        kv_seqlens=jnp.asarray([320, 130], jnp.int32),
+        score_mod=lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)),
+    "segments_lengths_softcap_score_mod": lambda p: dict(
+        causal=True, q_segment_ids=DOCS[None].repeat(B, 0),
+        kv_segment_ids=DOCS[None].repeat(B, 0), q_seqlens=jnp.asarray([320, 199], jnp.int32),
+        kv_seqlens=jnp.asarray([300, 320], jnp.int32),
+        score_mod=lambda s, b, h, i, j: 8.0 * jnp.tanh(s / 8.0) + p["bias_k"][j]),
 }
 
 

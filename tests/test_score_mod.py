@@ -309,3 +309,79 @@ def test_dropout_composes_with_the_functions(backend):
             _close(leaf_g, leaf_w, 1e-4, name)
     other = _run(q, k, v, w, u, params, lambda p: options(p, jax.random.key(14)), backend)
     assert np.abs(np.asarray(other[0][0]) - np.asarray(want[0][0])).max() > 1e-2
+
+
+# ---- lengths and segment ids folded into the mask_mod (how the Hopper kernels serve them)
+RULE_CASES = {
+    "lengths_bottom_right_window": dict(causal="bottom_right", window=(40, 0),
+                                        lengths=([150, 37], [200, 120])),
+    "lengths_top_left_segments": dict(causal=True, lengths=([200, 90], [170, 200]),
+                                      segments=True),
+    "segments_large_ids_no_causal": dict(segments=True, big_ids=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULE_CASES))
+def test_rules_folded_into_the_mask_mod_equal_the_call(name):
+    """`_mods.rules_as_mask` (on a Hopper GPU the call then runs on attnaux's kernels): the
+    rewritten call (static rules only, the lengths / ids / moving diagonal in the mask_mod, q,
+    k, v zeroed past the lengths) gives the original call's out, lse, max and gradients, both
+    materialised (`reference_attention`), with NaN stored past the lengths and segment ids
+    beyond float32's exact integers (the ids are compared in two halves)."""
+    from attnaux import _flex, _mods
+    from attnaux._canon import canonicalize, parse_statics
+    from attnaux._reference import reference_attention
+
+    case = RULE_CASES[name]
+    q, k, v, w, u = _inputs(seed=7)
+    extra = {}
+    if "lengths" in case:
+        q_len, kv_len = (jnp.asarray(x, jnp.int32) for x in case["lengths"])
+        extra.update(q_seqlens=q_len, kv_seqlens=kv_len)
+        past_q = jnp.arange(S)[None, :, None, None] >= q_len[:, None, None, None]
+        past_kv = jnp.arange(S)[None, :, None, None] >= kv_len[:, None, None, None]
+        q = jnp.where(past_q, jnp.nan, q)
+        k, v = (jnp.where(past_kv, jnp.nan, x) for x in (k, v))
+    if case.get("segments"):
+        ids = np.sort(np.random.default_rng(2).integers(0, 4, (B, S)), axis=1)
+        if case.get("big_ids"):  # equal as float32 (2**24 + 1 rounds to 2**24), not as int32
+            ids = np.where(ids % 2 == 0, 2**24, 2**24 + 1) + 8192 * (ids // 2)
+        ids = jnp.asarray(ids, jnp.int32)
+        extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+    statics = parse_statics(scale=None, causal=case.get("causal", False),
+                            window=case.get("window"), softcap=None, dropout_rate=0.0)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+
+    def score_mod(s, b, h, i, j):
+        return s - slopes[h] * jnp.abs(i - j) / S
+
+    def mask_mod(b, h, i, j):
+        return (i + j + h) % 7 != 0
+
+    def run(rewrite):
+        def loss(q, k, v):
+            problem = canonicalize(q, k, v, statics, **extra)
+            masks = mask_mod
+            if rewrite:
+                problem, masks = _mods.rules_as_mask(problem, mask_mod)
+                assert problem.arrays.q_segment_ids is None and not problem.options.has_seqlens
+            mods, consts = _flex.convert(score_mod, masks)
+            out, lse, mx, _ = reference_attention(problem.arrays, problem.options,
+                                                  return_probs=False, mods=mods, consts=consts)
+            finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+            return (jnp.sum(jnp.where(jnp.isnan(out), 0.0, out) * w[:, :, :, :D])
+                    + jnp.sum(finite * u), (out, lse, mx))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    if "lengths" in case:  # what the kernels read past the lengths: zeros, not the NaN
+        arrays = _mods.rules_as_mask(canonicalize(q, k, v, statics, **extra), mask_mod)[0].arrays
+        for x, past in ((arrays.q, past_q), (arrays.k, past_kv), (arrays.v, past_kv)):
+            assert bool(jnp.all(jnp.where(past, x == 0, True))), "not zeroed past the lengths"
+    (grads, stats), (want_grads, want_stats) = run(True), run(False)
+    for got, want, what in zip(stats, want_stats, ("out", "lse", "max"), strict=True):
+        _close(got, want, 2e-5, what)
+    if "lengths" in case:
+        assert np.isfinite(np.asarray(stats[0])).all(), "NaN past the lengths reached out"
+    for got, want, what in zip(grads, want_grads, ("dq", "dk", "dv"), strict=True):
+        _close(jnp.where(jnp.isnan(want), 0.0, got), jnp.where(jnp.isnan(want), 0.0, want),
+               1e-4, what)

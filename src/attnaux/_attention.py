@@ -9,7 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, TypeCheckError, jax
 from ._aux import AttnAux, unflatten
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
-from ._mods import attention_with_mods, choose_mods
+from ._mods import attention_with_mods, choose_with_rules
 from ._varlen import explain_varlen
 
 # Arrays may come from JAX or NumPy; Python ints are accepted where a float is asked for.
@@ -216,7 +216,7 @@ def explain(q, k, v, **options) -> Explanation:
 
 
 def _explain_mods(q, k, v, score_mod, mask_mod, options) -> Explanation:
-    """`explain` for a call with `score_mod`/`mask_mod` (`_mods.choose_mods`)."""
+    """`explain` for a call with `score_mod`/`mask_mod` (`_mods.choose_with_rules`)."""
     backend = options.pop("backend", "auto")
     statics = call_statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
@@ -234,8 +234,8 @@ def _explain_mods(q, k, v, score_mod, mask_mod, options) -> Explanation:
 
     def trace(q, k, v, *arrays):
         problem = canonicalize(q, k, v, statics["statics"], **dict(zip(names, arrays)))
-        c = choose_mods(problem, score_mod, mask_mod, backend, bias, mask,
-                        statics["return_probs"])
+        c = choose_with_rules(problem, score_mod, mask_mod, backend, bias, mask,
+                   statics["return_probs"])[0]
         result.append(Explanation(backend=c.backend, implementation=c.implementation,
                                   platform=jax.default_backend(), reasons=c.reasons))
         return 0

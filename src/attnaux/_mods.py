@@ -12,7 +12,9 @@ Three backends serve the functions:
   part of the program that depends on both positions (or the score) inside their tiles and
   take what depends on one side only as per-row / per-column inputs computed by XLA
   (`_hopper_mods.py`); the backward kernels differentiate the tile part with `jax.vjp`, XLA
-  the rest; mask_mod's block table becomes each tile row's visiting range.
+  the rest; mask_mod's block table becomes each tile row's visiting range. Per-row lengths and
+  segment ids, which those kernels do not read, are folded into the mask_mod first
+  (`rules_as_mask`), as is a bottom-right mask whose diagonal moves with the lengths.
 - `flex`: blockwise online softmax in JAX (`_flex.py`), compiled by XLA on every platform; it
   serves what the compiled kernels do not, and `explain` says what stopped them.
 - `reference`: the scores materialised (the test oracle; serves `return_probs`).
@@ -21,6 +23,7 @@ Three backends serve the functions:
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _flash_cpu, _flex, _hopper_mods
@@ -111,6 +114,89 @@ def _compiled(problem, mods, consts, dense, platform: str):
     return program, extras, tile_mask, None
 
 
+SEGMENT_ID_SPLIT = 12
+"""Segment ids reach the Hopper kernels as float32 per-row and per-column inputs; compared as
+two halves (`id >> 12`, `id & 4095`, each below 2**20) every int32 id stays exact."""
+
+
+def rules_as_mask(problem, mask_mod):
+    """`(problem, mask_mod)` of the same call with its data-dependent rules (per-row lengths,
+    segment ids; a bottom-right mask and window, whose diagonal moves with the lengths) moved
+    into the mask_mod, and q, k, v zeroed past the lengths (so NaN stored in padding never
+    reaches a product, as the kernels that read lengths guarantee); None when it has none.
+
+    The Hopper kernels serve the functions with static masking rules only; with this, they
+    serve calls with lengths and segment ids too. The rewritten mask closes over the lengths
+    and ids (captured int32 arrays: per-row and per-column inputs of the kernels)."""
+    arrays, options = problem.arrays, problem.options
+    segments = arrays.q_segment_ids is not None
+    lengths = options.has_seqlens
+    if not (lengths or segments):
+        return None
+    q_len, kv_len = arrays.q_seqlens, arrays.kv_seqlens
+    moving = lengths and options.causal == 2  # the diagonal moves with the lengths
+    left, right = options.window_left, options.window_right
+    if segments:
+        q_ids, kv_ids = arrays.q_segment_ids, arrays.kv_segment_ids
+        low = (1 << SEGMENT_ID_SPLIT) - 1
+        q_hi, q_lo = q_ids >> SEGMENT_ID_SPLIT, q_ids & low
+        kv_hi, kv_lo = kv_ids >> SEGMENT_ID_SPLIT, kv_ids & low
+
+    def rules(b, h, i, j):
+        keep = jnp.bool_(True) if mask_mod is None else mask_mod(b, h, i, j)
+        if lengths:
+            keep = keep & (i < q_len[b]) & (j < kv_len[b])
+        if segments:
+            keep = keep & (q_hi[b, i] == kv_hi[b, j]) & (q_lo[b, i] == kv_lo[b, j])
+        if moving:
+            diagonal = i + (kv_len[b] - q_len[b])
+            keep = keep & (j <= diagonal)
+            if left >= 0:
+                keep = keep & (j >= diagonal - left)
+            if right >= 0:
+                keep = keep & (j <= diagonal + right)
+        return keep
+
+    q, k, v = arrays.q, arrays.k, arrays.v
+    if lengths:
+        def zeroed(x, lengths):
+            covered = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+            return jnp.where(covered[:, :, None, None], x, jnp.zeros((), x.dtype))
+        q, k, v = zeroed(q, q_len), zeroed(k, kv_len), zeroed(v, kv_len)
+    bsz = q.shape[0]
+    arrays = arrays._replace(  # the lengths live in the mask now: every row and key counts
+        q=q, k=k, v=v, q_segment_ids=None, kv_segment_ids=None,
+        q_seqlens=jnp.full((bsz,), q.shape[1], jnp.int32),
+        kv_seqlens=jnp.full((bsz,), k.shape[1], jnp.int32))
+    options = options._replace(has_seqlens=False)
+    if moving:
+        options = options._replace(causal=0, window_left=-1, window_right=-1)
+    return problem._replace(arrays=arrays, options=options), rules
+
+
+def choose_with_rules(problem, score_mod, mask_mod, backend, bias, mask, return_probs):
+    """`(choice, problem, mask_mod)` to run: `choose_mods`' choice, or on a Hopper GPU, for a
+    call with lengths or segment ids, the choice for the call with those folded into the
+    mask_mod (`rules_as_mask`) when that lets attnaux's Hopper kernels serve it."""
+    if (jax.default_backend() == "gpu" and backend in ("auto", "flash") and not return_probs
+            and not problem.has_dropout):
+        rewritten = rules_as_mask(problem, mask_mod)
+        if rewritten is not None:
+            try:
+                new_problem, new_mask_mod = rewritten
+                c = choose_mods(new_problem, score_mod, new_mask_mod, backend, bias, mask,
+                                return_probs)
+            except ValueError:
+                c = None
+            if c is not None and c.split is not None:
+                reasons = dict(c.reasons, flash=c.reasons["flash"] + (
+                    "; the lengths / segment ids are folded into the mask_mod (per-row and "
+                    "per-column inputs of the kernels)"))
+                return c._replace(reasons=reasons), *rewritten
+    return choose_mods(problem, score_mod, mask_mod, backend, bias, mask,
+                       return_probs), problem, mask_mod
+
+
 def choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs) -> ModsChoice:
     """The backend (and what it needs) for a validated call with score_mod/mask_mod."""
     options = problem.options
@@ -190,7 +276,8 @@ def attention_with_mods(q, k, v, *, statics, score_mod, mask_mod, bias, mask, q_
     problem = canonicalize(q, k, v, statics, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
                            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                            sink=sink, key=key)
-    c = choose_mods(problem, score_mod, mask_mod, backend, bias, mask, return_probs)
+    c, problem, mask_mod = choose_with_rules(problem, score_mod, mask_mod, backend, bias,
+                                             mask, return_probs)
     arrays, options = problem.arrays, problem.options
     probs = None
     if c.backend == "flash" and c.split is not None:

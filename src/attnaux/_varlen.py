@@ -340,7 +340,7 @@ def explain_varlen(q, k, v, **options) -> Explanation:
 
 
 def _explain_varlen_mods(q, k, v, options, score_mod, mask_mod) -> Explanation:
-    from ._mods import choose_mods
+    from ._mods import choose_with_rules
 
     backend = options.get("backend", "auto")
     options["backend"] = "auto"
@@ -354,8 +354,8 @@ def _explain_varlen_mods(q, k, v, options, score_mod, mask_mod) -> Explanation:
             _padded(q, pq, statics["max_seqlen_q"]), _padded(k, pk, statics["max_seqlen_kv"]),
             _padded(v, pk, statics["max_seqlen_kv"]), statics["statics"],
             q_seqlens=pq.lengths, kv_seqlens=pk.lengths, sink=sink, key=key)
-        c = choose_mods(problem, score_mod, mask_mod, backend, None, None,
-                        statics["return_probs"])
+        c = choose_with_rules(problem, score_mod, mask_mod, backend, None, None,
+                   statics["return_probs"])[0]
         result.append(Explanation(
             backend=c.backend, implementation=c.implementation, platform=jax.default_backend(),
             reasons=c.reasons, packed="padded to [num_seqs, max_seqlen] with per-sequence lengths "
