@@ -32,9 +32,16 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from . import _flash_hopper as hopper
-from ._hopper_packed import _varying_like_operands
 from ._kernel_call import add_sink
-from ._partition import BATCH, HEADS, KV_HEADS, partitioned, table_layout, unify_vma
+from ._partition import (
+    BATCH,
+    HEADS,
+    KV_HEADS,
+    partitioned,
+    table_layout,
+    unify_vma,
+    varying_like_operands,
+)
 from ._score_program import (
     CONST_WORDS,
     HEADER_WORDS,
@@ -508,8 +515,8 @@ def _ops(st: Static):
                            layout=_layout)
     tables_at = tuple(i for i, x in enumerate(bwd_names) if x in _TABLES)
     heads_at = (bwd_names.index("head_ids"),)
-    return (_varying_like_operands(_folded(forward, tables_at, heads_at)),
-            _varying_like_operands(_folded(backward, tables_at, heads_at)))
+    return (varying_like_operands(_folded(forward, tables_at, heads_at)),
+            varying_like_operands(_folded(backward, tables_at, heads_at)))
 
 
 def _side(st: Static, rp, cp):

@@ -35,7 +35,7 @@ from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
 from ._kernel_call import add_sink
 from ._masking import diagonal_shift
-from ._partition import BATCH, match_vma, partitioned, table_layout, vma
+from ._partition import BATCH, partitioned, table_layout, varying_like_operands
 
 TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
 _PAD_MULTIPLE = 128  # sequence lengths the kernels take (two warpgroups of 64 rows)
@@ -225,16 +225,7 @@ def _ops(st: _Static):
     backward = partitioned(functools.partial(_local_backward, st),
                            "attnaux packed backward (Hopper)", _BACKWARD_OPERANDS,
                            ("dq", "dk", "dv"), layout=_layout)
-    return _varying_like_operands(_folded(forward)), _varying_like_operands(_folded(backward))
-
-
-def _varying_like_operands(fn):
-    """`fn` whose results vary over the manual axes its operands vary over (inside
-    `jax.shard_map`, where the kernel call's results would otherwise lose them)."""
-    def call(*args):
-        axes = frozenset().union(*(vma(x) for x in args))
-        return tuple(match_vma(o, axes) for o in fn(*args))
-    return call
+    return varying_like_operands(_folded(forward)), varying_like_operands(_folded(backward))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

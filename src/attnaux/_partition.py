@@ -123,6 +123,15 @@ def unify_vma(args: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(None if a is None else match_vma(a, axes) for a in args)
 
 
+def varying_like_operands(fn):
+    """`fn` whose results vary over the manual axes its operands vary over (inside
+    `jax.shard_map`, where a kernel call's results would otherwise lose them)."""
+    def call(*args):
+        axes = frozenset().union(*(vma(x) for x in args))
+        return tuple(match_vma(o, axes) for o in fn(*args))
+    return call
+
+
 # ------------------------------------------------------------------------------------------------
 # The plan of one partitioned call, in XLA's sharding terms (tile counts per dim, device order)
 # ------------------------------------------------------------------------------------------------
