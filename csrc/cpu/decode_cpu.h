@@ -249,7 +249,11 @@ inline void ValueBlockAsking(int64_t keys, const float* v, int64_t v_step, const
   for (int x = 0; x < kCols; ++x) {
     acc[x] = Load(in + x * kLanes) * alpha;
     // the rescaled value is rounded before the products add to it (no contraction into an FMA)
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
     asm("" : "+v"(acc[x]));
+#elif defined(__GNUC__) && defined(__aarch64__)
+    asm("" : "+w"(acc[x]));
+#endif
   }
   AskCursor cursor(ask);
   for (int64_t j = 0; j < keys; ++j) {

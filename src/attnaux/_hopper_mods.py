@@ -375,14 +375,14 @@ def unavailable(problem) -> str | None:
     why = hopper.device_unavailable(arrays.q, arrays.k, arrays.v)
     if why is not None:
         return why
+    if options.dropout_rate > 0:
+        return "the Hopper kernels draw no dropout mask"
     if options.has_seqlens:
         return ("the Hopper kernels read no q_seqlens/kv_seqlens (`_mods.rules_as_mask` folds "
                 "them into the mask_mod first)")
     if arrays.q_segment_ids is not None or arrays.kv_segment_ids is not None:
         return ("the Hopper kernels read no segment ids (`_mods.rules_as_mask` folds them into "
                 "the mask_mod first)")
-    if options.dropout_rate > 0:
-        return "the Hopper kernels draw no dropout mask"
     return None
 
 

@@ -159,8 +159,8 @@ def rules_as_mask(problem, mask_mod):
 
     q, k, v = arrays.q, arrays.k, arrays.v
     if lengths:
-        def zeroed(x, lengths):
-            covered = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+        def zeroed(x, row_lengths):
+            covered = jnp.arange(x.shape[1])[None, :] < row_lengths[:, None]
             return jnp.where(covered[:, :, None, None], x, jnp.zeros((), x.dtype))
         q, k, v = zeroed(q, q_len), zeroed(k, kv_len), zeroed(v, kv_len)
     bsz = q.shape[0]
