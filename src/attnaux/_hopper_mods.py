@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 
 from . import _flash_hopper as hopper
 from ._kernel_call import add_sink
@@ -37,6 +36,7 @@ from ._partition import (
     BATCH,
     HEADS,
     KV_HEADS,
+    folded,
     partitioned,
     table_layout,
     unify_vma,
@@ -471,37 +471,6 @@ def _local_backward(st: Static, *args):
     return tuple(grads[x] for x in n[2])
 
 
-def _folded(fn, broadcast_batch: tuple[int, ...], no_batch: tuple[int, ...]):
-    """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
-    folded into the batch, one launch. An operand that is not mapped is broadcast first, except
-    those at `broadcast_batch` (block tables) whose batch dim of 1 broadcasts in the kernels,
-    and those at `no_batch` (the head ids: the same for every mapped element, never mapped)."""
-    wrapped = custom_vmap(fn)
-
-    @wrapped.def_vmap
-    def _(axis_size, in_batched, *args):
-        bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
-
-        def fold(i, x, mapped):
-            if i in no_batch:
-                assert not mapped, "the head ids are made inside the mapped function"
-                return x
-            if i in broadcast_batch:
-                if not mapped and x.shape[0] == 1:
-                    return x
-                if mapped:
-                    x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
-            if not mapped:
-                x = jnp.broadcast_to(x, (axis_size, *x.shape))
-            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
-
-        outs = wrapped(*(fold(i, x, m) for i, (x, m) in enumerate(zip(args, in_batched))))
-        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
-                (True,) * len(outs))
-
-    return wrapped
-
-
 @functools.cache
 def _ops(st: Static):
     """The forward and backward kernel calls of one static setting: each partitioned over
@@ -515,8 +484,8 @@ def _ops(st: Static):
                            layout=_layout)
     tables_at = tuple(i for i, x in enumerate(bwd_names) if x in _TABLES)
     heads_at = (bwd_names.index("head_ids"),)
-    return (varying_like_operands(_folded(forward, tables_at, heads_at)),
-            varying_like_operands(_folded(backward, tables_at, heads_at)))
+    return (varying_like_operands(folded(forward, tables_at, heads_at)),
+            varying_like_operands(folded(backward, tables_at, heads_at)))
 
 
 def _side(st: Static, rp, cp):

@@ -29,13 +29,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
 from ._kernel_call import add_sink
 from ._masking import diagonal_shift
-from ._partition import BATCH, partitioned, table_layout, varying_like_operands
+from ._partition import BATCH, folded, partitioned, table_layout, varying_like_operands
 
 TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
 _PAD_MULTIPLE = 128  # sequence lengths the kernels take (two warpgroups of 64 rows)
@@ -199,22 +198,6 @@ def _local_backward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv, o
     return dq, dk, dv
 
 
-def _folded(fn):
-    """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
-    folded into the batch, one launch (an operand that is not mapped is broadcast first)."""
-    wrapped = custom_vmap(fn)
-
-    @wrapped.def_vmap
-    def _(axis_size, in_batched, *args):
-        args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
-                for x, mapped in zip(args, in_batched)]
-        outs = wrapped(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
-        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
-                (True,) * len(outs))
-
-    return wrapped
-
-
 @functools.cache
 def _ops(st: _Static):
     """The forward and backward kernel calls of one static setting: each partitioned over
@@ -225,7 +208,7 @@ def _ops(st: _Static):
     backward = partitioned(functools.partial(_local_backward, st),
                            "attnaux packed backward (Hopper)", _BACKWARD_OPERANDS,
                            ("dq", "dk", "dv"), layout=_layout)
-    return varying_like_operands(_folded(forward)), varying_like_operands(_folded(backward))
+    return varying_like_operands(folded(forward)), varying_like_operands(folded(backward))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -123,6 +123,39 @@ def unify_vma(args: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(None if a is None else match_vma(a, axes) for a in args)
 
 
+def folded(fn, broadcast_batch: tuple[int, ...] = (), no_batch: tuple[int, ...] = ()):
+    """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
+    folded into the batch, one kernel launch. An operand that is not mapped is broadcast first,
+    except those at `broadcast_batch` (block tables), whose batch dim of 1 broadcasts inside the
+    kernels, and those at `no_batch` (head ids: the same for every mapped element)."""
+    wrapped = custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _(axis_size, in_batched, *args):
+        bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+
+        def fold(i, x, mapped):
+            if i in no_batch:
+                if mapped:
+                    raise ValueError(f"operand {i} of {getattr(fn, '__name__', fn)} has no "
+                                     "batch axis, so it cannot be mapped by jax.vmap")
+                return x
+            if i in broadcast_batch:
+                if not mapped and x.shape[0] == 1:
+                    return x
+                if mapped:
+                    x = jnp.broadcast_to(x, (axis_size, bsz, *x.shape[2:]))
+            if not mapped:
+                x = jnp.broadcast_to(x, (axis_size, *x.shape))
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        outs = wrapped(*(fold(i, x, m) for i, (x, m) in enumerate(zip(args, in_batched))))
+        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
+                (True,) * len(outs))
+
+    return wrapped
+
+
 def varying_like_operands(fn):
     """`fn` whose results vary over the manual axes its operands vary over (inside
     `jax.shard_map`, where a kernel call's results would otherwise lose them)."""
