@@ -18,9 +18,11 @@ Use as a context manager: `with emulated_kernels(): ...` (it swaps the two modul
 and clears JAX's caches around the swap)."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attnaux import _flash_hopper as fh
 from attnaux import _flex
@@ -263,3 +265,22 @@ def emulated_kernels(opaque: bool = False):
     finally:
         fh.forward, fh.backward = saved
         jax.clear_caches()
+
+
+# ---- what the tests with the stand-in check
+GATHERS = ("all-gather", "all-to-all", "collective-permute")
+
+
+def gathers_in(compiled_text: str) -> list[str]:
+    """The gathering collectives in a compiled program's text (a shard-local call has none)."""
+    return [g for g in GATHERS if re.search(rf"\b{g}(?:-start)?\(", compiled_text)]
+
+
+def close(got, want, rel, what):
+    """`got` equals `want` within `rel` of the largest finite entry of `want` (at least 1), and
+    is finite exactly where `want` is."""
+    got, want = np.asarray(got), np.asarray(want)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=what)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0,
+                               atol=rel * max(1.0, np.abs(want[finite]).max()), err_msg=what)

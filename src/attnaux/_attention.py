@@ -235,7 +235,7 @@ def _explain_mods(q, k, v, score_mod, mask_mod, options) -> Explanation:
     def trace(q, k, v, *arrays):
         problem = canonicalize(q, k, v, statics["statics"], **dict(zip(names, arrays)))
         c = choose_with_rules(problem, score_mod, mask_mod, backend, bias, mask,
-                   statics["return_probs"])[0]
+                              statics["return_probs"])[0]
         result.append(Explanation(backend=c.backend, implementation=c.implementation,
                                   platform=jax.default_backend(), reasons=c.reasons))
         return 0

@@ -355,7 +355,7 @@ def _explain_varlen_mods(q, k, v, options, score_mod, mask_mod) -> Explanation:
             _padded(v, pk, statics["max_seqlen_kv"]), statics["statics"],
             q_seqlens=pq.lengths, kv_seqlens=pk.lengths, sink=sink, key=key)
         c = choose_with_rules(problem, score_mod, mask_mod, backend, None, None,
-                   statics["return_probs"])[0]
+                              statics["return_probs"])[0]
         result.append(Explanation(
             backend=c.backend, implementation=c.implementation, platform=jax.default_backend(),
             reasons=c.reasons, packed="padded to [num_seqs, max_seqlen] with per-sequence lengths "
