@@ -193,6 +193,185 @@ inline void AskStep(const AskShare& ask, AskCursor& cursor, int64_t x) {
   }
 }
 
+// Lines [0, na) at `a`, then [na, na + nb) at `b` (64 bytes apart): a kv head's share of the
+// next tile's K rows and then V rows, in memory order, for its products to ask for (into L2) as
+// they go. The next kv head's rows instead (a tile's rows of a kv head lie a few KiB apart), or
+// none, read K and V at ~10 and ~6 GB/s a core (n 16, d 128, 8 kv heads), against ~12 this way
+// (also with 16 or 32 kv heads, whose two tiles do not fit the L2: the L3 holds what it lets go).
+struct LineAsk {
+  const char* a = nullptr;
+  int64_t na = 0;
+  const char* b = nullptr;
+  int64_t nb = 0;
+  // lines [i, i + n) that lie in one of the two runs: the first and how many, at least one
+  // (else `fallback` once)
+  const char* Run(int64_t i, int64_t n, const char* fallback, int64_t* count) const {
+    if (i < na) {
+      *count = std::min(n, na - i);
+      return a + i * 64;
+    }
+    if (i - na < nb) {
+      *count = std::min(n, nb - (i - na));
+      return b + (i - na) * 64;
+    }
+    *count = 1;
+    return fallback;
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// kKeys keys' scores for W vectors of rows (rows in the lanes): c[r][W * 16] = q . k_r, the
+// bfloat16 key rows `rows[r]` read in place, each pair of a key's values broadcast as one 32-bit
+// lane against the rows' pairs qt2[x][W * 16] (q[2x], q[2x + 1]). With one vector of rows each
+// score is two sums (even and odd pairs) added at the end: 8 chains of VDPBF16PS are too few for
+// its latency.
+template <int W, int kKeys>
+inline __attribute__((always_inline)) void KeyBlockBf16(int64_t pairs, const uint16_t* const* rows,
+                                                        const uint32_t* qt2, float* c) {
+  constexpr int kSplit = W == 1 ? 2 : 1;
+  __m512 acc[kSplit][kKeys][W];
+  for (int s = 0; s < kSplit; ++s) {
+    for (int r = 0; r < kKeys; ++r) {
+      for (int w = 0; w < W; ++w) acc[s][r][w] = _mm512_setzero_ps();
+    }
+  }
+  const uint16_t* k[kKeys];
+  for (int r = 0; r < kKeys; ++r) k[r] = rows[r];
+  for (int64_t x = 0; x < pairs; x += kSplit) {
+    for (int s = 0; s < kSplit; ++s) {
+      __m512bh qv[W];
+      for (int w = 0; w < W; ++w) {
+        qv[w] = (__m512bh)_mm512_loadu_si512(qt2 + ((x + s) * W + w) * 16);
+      }
+      for (int r = 0; r < kKeys; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, k[r] + 2 * (x + s), sizeof(pair));
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int w = 0; w < W; ++w) acc[s][r][w] = _mm512_dpbf16_ps(acc[s][r][w], qv[w], kb);
+      }
+    }
+  }
+  for (int r = 0; r < kKeys; ++r) {
+    for (int w = 0; w < W; ++w) {
+      __m512 sum = acc[0][r][w];
+      if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, acc[1][r][w]);
+      _mm512_storeu_ps(c + (r * W + w) * 16, sum);
+    }
+  }
+}
+
+// S^T [kDecodeTile][np] = K Q^T for one kv head's bfloat16 keys [0, nk), rows `step` values
+// apart, read in place (keys past nk score key nk - 1 again: the rows past the cache's end are
+// not read; the caller masks those scores); qt2: [d / 2][np] (KeyBlockBf16).
+__attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step, int64_t nk,
+                                                 int64_t d, const uint32_t* qt2, int64_t np,
+                                                 float* st) {
+  for (int64_t jb = 0; jb < kDecodeTile; jb += 8) {
+    const uint16_t* rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = k + std::min<int64_t>(jb + r, nk - 1) * step;
+    float* c = st + jb * np;
+    switch (np / kLanes) {
+      case 1: KeyBlockBf16<1, 8>(d / 2, rows, qt2, c); break;
+      case 2: KeyBlockBf16<2, 8>(d / 2, rows, qt2, c); break;
+      case 3: KeyBlockBf16<3, 8>(d / 2, rows, qt2, c); break;
+      default:
+        KeyBlockBf16<4, 4>(d / 2, rows, qt2, c);
+        KeyBlockBf16<4, 4>(d / 2, rows + 4, qt2, c + 4 * np);
+        break;
+    }
+  }
+}
+
+// ValueBlockAsking for bfloat16 value rows read in place and W vectors of rows: kCols value
+// columns of out[x][W * 16] = alpha[w] * in[x][..] + sum_{j < keys} v[j * v_step + x] p[j][..]
+// (`ld` floats a row of in, out and p). A key's pair of values is broadcast as one 32-bit lane
+// and split into its two float32 values (a shift, an and: exact; the integer ops issue beside
+// the FMAs, which keep their full rate, where a staged float32 copy of V cost a third of the
+// products). The same FMAs in the same order as the float32 form; adds out * 0 to `finite`.
+// Asks (into L2) for the `ask_lines` lines from `ask`, one with each key's products (the address
+// clamped, not the request skipped: behind a branch GCC dropped the requests).
+template <int W, int kCols>
+inline void ValueBlockBf16(int64_t keys, const uint16_t* v, int64_t v_step, const float* p,
+                           const __m512* alpha, const float* in, float* out, int64_t ld,
+                           __m512* finite, const char* ask, int64_t ask_lines) {
+  __m512 acc[kCols][W];
+  for (int x = 0; x < kCols; ++x) {
+    for (int w = 0; w < W; ++w) {
+      acc[x][w] = _mm512_mul_ps(_mm512_loadu_ps(in + x * ld + w * 16), alpha[w]);
+      asm("" : "+v"(acc[x][w]));  // rounded before the products add to it, as ValueBlockAsking
+    }
+  }
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t j = 0; j < keys; ++j) {
+    __builtin_prefetch(ask + std::min(j, ask_lines - 1) * 64, 0, 2);
+    __m512 pv[W];
+    for (int w = 0; w < W; ++w) pv[w] = _mm512_loadu_ps(p + j * ld + w * 16);
+    const uint16_t* row = v + j * v_step;
+    for (int x = 0; x < kCols; x += 2) {
+      int32_t pair;
+      std::memcpy(&pair, row + x, sizeof(pair));
+      const __m512i both = _mm512_set1_epi32(pair);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+      for (int w = 0; w < W; ++w) {
+        acc[x][w] = _mm512_fmadd_ps(even, pv[w], acc[x][w]);
+        acc[x + 1][w] = _mm512_fmadd_ps(odd, pv[w], acc[x + 1][w]);
+      }
+    }
+  }
+  __m512 zero_if_finite = _mm512_setzero_ps();
+  for (int x = 0; x < kCols; ++x) {
+    for (int w = 0; w < W; ++w) {
+      _mm512_storeu_ps(out + x * ld + w * 16, acc[x][w]);
+      zero_if_finite = _mm512_fmadd_ps(acc[x][w], _mm512_setzero_ps(), zero_if_finite);
+    }
+  }
+  *finite = _mm512_add_ps(*finite, zero_if_finite);
+}
+
+// O^T' = alpha O^T + V^T P^T (ValueBlockBf16) over all dv columns of one kv head, keys [0, nk)
+// (past nk P is 0 and the rows are not read), asking for the lines of `ask` as it goes; false
+// when the result is not finite.
+__attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, int64_t v_step,
+                                                 int64_t dv, const float* p, int64_t np,
+                                                 const float* alpha, const float* in, float* out,
+                                                 const LineAsk& ask) {
+  __m512 a[4], finite = _mm512_setzero_ps();
+  for (int64_t w = 0; w < np / kLanes; ++w) a[w] = _mm512_loadu_ps(alpha + w * kLanes);
+  int64_t line = 0;
+  for (int64_t x = 0; x < dv; x += 16) {
+    switch (np / kLanes) {
+#define ATTNAUX_VALUE_BLOCKS(W, COLS)                                                          \
+  for (int64_t c = 0; c < 16; c += COLS) {                                                      \
+    int64_t lines;                                                                              \
+    const char* run = ask.Run(line, nk, reinterpret_cast<const char*>(v), &lines);              \
+    ValueBlockBf16<W, COLS>(nk, v + x + c, v_step, p, a, in + (x + c) * np, out + (x + c) * np, \
+                            np, &finite, run, lines);                                           \
+    line += lines;                                                                              \
+  }                                                                                             \
+  break;
+      case 1: ATTNAUX_VALUE_BLOCKS(1, 16)
+      case 2: ATTNAUX_VALUE_BLOCKS(2, 8)
+      case 3: ATTNAUX_VALUE_BLOCKS(3, 4)
+      default: ATTNAUX_VALUE_BLOCKS(4, 4)
+#undef ATTNAUX_VALUE_BLOCKS
+    }
+  }
+  for (; line < ask.na + ask.nb; ++line) {  // (more lines than keys x blocks)
+    int64_t one;
+    __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(v), &one), 0, 2);
+  }
+  return _mm512_cmpneq_ps_mask(finite, _mm512_setzero_ps()) == 0;
+}
+#else
+inline bool ValuesBf16(int64_t, const uint16_t*, int64_t, int64_t, const float*, int64_t,
+                       const float*, const float*, float*, const LineAsk&) {
+  return false;
+}
+inline void ScoresBf16(const uint16_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t,
+                       float*) {}
+#endif
+
 // What the score products of a whole tile of keys do to a block's dot products before they are
 // stored (the scalar passes over the tile's scores cost about as much as the products): times
 // the scale, -inf where a lane's row does not see the key (lanes see [lo, hi), key indices exact
@@ -705,7 +884,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   const int64_t dp = RoundUpLanes(d), dvp = RoundUpLanes(dv), np = RoundUpLanes(n);
   const int64_t chunks = std::max<int64_t>(CeilDiv(p.kv_len, kDecodeChunk), 1);
   const int64_t per_head = n * (dvp + 2);  // m[n], l[n], o[n][dvp]
-  const bool gemm = n >= kDecodeGemmRows && (dp == 64 || dp == 128 || dp == 256);
+  const bool lanes_shape = dp == 64 || dp == 128 || dp == 256;
+  // bfloat16 K and V read in place by the products (ScoresBf16, ValuesBf16): a tile converted to
+  // float32 first cost as much as the products (16 rows: ~5 GB/s a core), and from 2 rows per kv
+  // head these products also beat DotTile's dot products (2-4 rows: ~10-12 -> ~13-14 GB/s a core)
+  const bool bf16_lanes = kHasBf16Dot && lanes_shape && p.elem == Elem::kBF16 && d % 4 == 0 &&
+                          dv % kLanes == 0 && n >= 2;
+  const bool gemm = (n >= kDecodeGemmRows && lanes_shape) || bf16_lanes;
   // float32 rows of whole vectors are read in place; others are converted per tile
   const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
   const bool exact_keys = p.kv_len < (int64_t{1} << 24);  // key indices exact as float32
@@ -744,10 +929,23 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     // O^T twice per kv head: ValueBlockAsking writes a tile's result next to the one it read
     // (which stays for a redo when the result is not finite), `o_second` says which is current
     std::vector<float> qt, ot, ml, ll, st, range_lo, range_hi;
+    std::vector<uint32_t> qt2;  // bf16_lanes: [hk][d / 2][np], a row's pair per lane
     std::vector<char> o_second;
     std::vector<VecF> finite_sums;  // x * 0 summed over a tile's V rows, per kv head
     if (gemm) {
       qt.assign(hk * d * np, 0.0f);
+      if (bf16_lanes) {
+        qt2.assign(hk * (d / 2) * np, 0);
+        for (int64_t hkv = 0; hkv < hk; ++hkv) {
+          if (heads[hkv].qb.empty()) continue;  // no row sees a key
+          for (int64_t r = 0; r < n; ++r) {
+            const uint16_t* q = heads[hkv].qb.data() + r * d;
+            for (int64_t x = 0; x < d / 2; ++x) {
+              qt2[(hkv * (d / 2) + x) * np + r] = q[2 * x] | uint32_t{q[2 * x + 1]} << 16;
+            }
+          }
+        }
+      }
       ot.assign(2 * hk * dvp * np, 0.0f);
       o_second.assign(hk, 0);
       ml.assign(hk * np, -kInf);
@@ -844,7 +1042,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         for (int64_t hkv = 0; hkv < hk; ++hkv) {
           for (int lane = 0; lane < kLanes; ++lane) bad[hkv] |= finite_sums[hkv][lane] != 0.0f;
         }
-      } else if (!in_place) {
+      } else if (!in_place && !bf16_lanes) {
         if (kstage.empty()) {
           kstage.assign(hk * kDecodeTile * dp, 0.0f);
           vstage.assign(hk * kDecodeTile * dvp, 0.0f);
@@ -900,6 +1098,9 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
 #undef ATTNAUX_KEY_BLOCK
           }
           if (ask_next && hkv == hk - 1) asked_tile = j1;
+        } else if (bf16_lanes) {
+          ScoresBf16(static_cast<const uint16_t*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d,
+                     hk * d, nk, d, qt2.data() + hkv * (d / 2) * np, np, st.data());
         } else {
           GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
                       np / kLanes, st.data(), np);
@@ -936,6 +1137,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         float* l = ll.data() + hkv * np;
         float* oth = ot.data() + (o_second[hkv] * hk + hkv) * dvp * np;
         VecF alpha_asking{};  // the rescaling of a vector of rows (np == kLanes when asking)
+        float alphas[kDecodeMaxRows];  // every vector of rows' (bf16_lanes)
         for (int64_t v = 0; v < np; v += kLanes) {
           VecF tile_max = mask.tile_max;
           if (!masked) {
@@ -955,13 +1157,50 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           }
           Store(l + v, Load(l + v) * alpha + sum);
           Store(m + v, m_new);
-          if (asking) {  // (ValueBlockAsking rescales)
+          if (asking || bf16_lanes) {  // (ValueBlockAsking and ValuesBf16 rescale)
             alpha_asking = alpha;
+            Store(alphas + v, alpha);
             continue;
           }
           for (int64_t x = 0; x < dvp; ++x) Store(oth + x * np + v, Load(oth + x * np + v) * alpha);
         }
-        if (asking) {  // O^T' = alpha O^T + V^T P^T into the other copy; a redo if not finite
+        if (bf16_lanes) {  // O^T' = alpha O^T + V^T P^T into the other copy; a redo if not finite
+          const uint16_t* vb =
+              static_cast<const uint16_t*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv;
+          float* next = ot.data() + ((1 - o_second[hkv]) * hk + hkv) * dvp * np;
+          LineAsk ask;  // this kv head's share of the next tile (of the task)
+          if (j1 < c1) {
+            const int64_t keys = std::min(c1, j1 + kDecodeTile) - j1;
+            const int64_t k_lines = CeilDiv(keys * hk * d * 2, int64_t{64});
+            const int64_t v_lines = CeilDiv(keys * hk * dv * 2, int64_t{64});
+            const int64_t k0 = k_lines * hkv / hk, v0 = v_lines * hkv / hk;
+            ask.a = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.k) +
+                                                  (b * p.kv_len + j1) * hk * d) + k0 * 64;
+            ask.na = k_lines * (hkv + 1) / hk - k0;
+            ask.b = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.v) +
+                                                  (b * p.kv_len + j1) * hk * dv) + v0 * 64;
+            ask.nb = v_lines * (hkv + 1) / hk - v0;
+          }
+          const bool finite =
+              ValuesBf16(nk, vb, hk * dv, dv, st.data(), np, alphas, oth, next, ask);
+          o_second[hkv] ^= 1;
+          if (!finite) {  // NaN or inf somewhere: only the keys a row sees
+            for (int64_t x = 0; x < dvp; ++x) {
+              for (int64_t v = 0; v < np; v += kLanes) {
+                Store(next + x * np + v, Load(oth + x * np + v) * Load(alphas + v));
+              }
+            }
+            for (int64_t j = 0; j < nk; ++j) {
+              for (int64_t r = 0; r < n; ++r) {
+                const float pr = st[j * np + r];
+                if (pr == 0.0f) continue;
+                for (int64_t x = 0; x < dv; ++x) {
+                  next[x * np + r] += pr * Bf16ToFloat(vb[j * hk * dv + x]);
+                }
+              }
+            }
+          }
+        } else if (asking) {  // O^T' = alpha O^T + V^T P^T into the other copy; a redo if not finite
           float* next = ot.data() + ((1 - o_second[hkv]) * hk + hkv) * dvp * np;
           VecF finite{};
           for (int64_t x = 0; x < dv; x += kLanes) {
