@@ -12,7 +12,10 @@ what the kernels compute, densely in float32:
   own table (forward; dQ and the row inputs; dK/dV and the column inputs);
 
 then a masked softmax, and the backward from the given out and lse, as the kernels'
-(dS = P * (dP - (D - dlse)), pulled back through the tile function by `jax.vjp`).
+(dS = P * (dP - (D - dlse)), pulled back through the tile function by `jax.vjp`). With
+dropout, the keep-mask of `docs/kernel_abi.md`'s 12-word block state, drawn with
+`_philox.keep_at` from the documented index `e` (not with the kernels' own `dropout_rows`):
+P times it over `1 - rate` meets V in the forward and dO in dV, and dP is multiplied by it.
 
 Use as a context manager: `with emulated_kernels(): ...` (it swaps the two module attributes
 and clears JAX's caches around the swap)."""
@@ -28,6 +31,7 @@ from attnaux import _flash_hopper as fh
 from attnaux import _flex
 from attnaux import _hopper_mods as hm
 from attnaux._canon import canonicalize, parse_statics
+from attnaux._philox import keep_at
 from attnaux._score_program import translate
 
 
@@ -48,9 +52,26 @@ def _scores(q, k, v, infos, scale, softcap, geometry):
     return visible, s, th, qf, kf, vf
 
 
-def _dense(q, k, v, infos, scale, softcap, geometry):
+def _dense(q, k, v, infos, scale, softcap, geometry, drop):
     visible, s, _, _, _, vf = _scores(q, k, v, infos, scale, softcap, geometry)
-    return _softmax(jnp.where(visible, s, -jnp.inf), vf)
+    return _softmax(jnp.where(visible, s, -jnp.inf), vf, drop)
+
+
+def _drop(dropout, drop_state, q, k):
+    """`keep / (1 - rate)` float32 `[B, Hq, Sq, Skv]` (1 without dropout): the element index
+    `e = (((b0 + b) * Hq' + h0 + h) * Sq' + i0 + i) * Skv' + j0 + j` of the documented block
+    state, given to `keep_at` as the row `(...) * Sq' + i0 + i` and the column `j0 + j`."""
+    if not dropout:
+        return 1.0
+    w = drop_state.astype(jnp.uint32)
+    bsz, q_seq, q_heads, _ = q.shape
+    b = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None, None]
+    h = jnp.arange(q_heads, dtype=jnp.uint32)[None, :, None, None]
+    i = jnp.arange(q_seq, dtype=jnp.uint32)[None, None, :, None]
+    j = jnp.arange(k.shape[1], dtype=jnp.uint32)[None, None, None, :]
+    row = ((w[4] + b) * w[8] + w[5] + h) * w[9] + w[6] + i
+    keep = keep_at(w[:4], dropout, row, w[7] + j, w[10])
+    return jnp.where(keep, jnp.float32(1.0 / (1.0 - dropout)), jnp.float32(0.0))
 
 
 def _visited(table, n_rows: int, n_cols: int, row_tile: int, col_tile: int):
@@ -105,17 +126,17 @@ def _regions(tables, group: int, q_seq: int, kv_seq: int, block_kv: int):
 
 
 def _tile_forward(q, k, v, rows, cols, *, scale, softcap, geometry, tile_fn, config, tables,
-                  indices):
+                  indices, drop):
     group = q.shape[2] // k.shape[2]
     region = _regions(tables, group, q.shape[1], k.shape[1], config.block_kv)[0]
     s = _modified(q.astype(jnp.float32), k.astype(jnp.float32), rows, cols, scale=scale,
                   softcap=softcap, geometry=geometry, tile_fn=tile_fn, indices=indices,
                   region=region)
-    return _softmax(s, jnp.repeat(v.astype(jnp.float32), group, axis=2))
+    return _softmax(s, jnp.repeat(v.astype(jnp.float32), group, axis=2), drop)
 
 
 def _tile_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap, geometry,
-                   tile_fn, config, tables, indices):
+                   tile_fn, config, tables, indices, drop):
     """Each kernel's gradients with its own table: dq and the rows' from the dQ kernel's, dk,
     dv and the columns' from the dK/dV kernel's."""
     group = q.shape[2] // k.shape[2]
@@ -123,7 +144,8 @@ def _tile_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap,
     do = dout.astype(jnp.float32)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # rows that see nothing: P = 0
     row = jnp.einsum("bqhd,bqhd->bhq", do, out.astype(jnp.float32), precision="highest") - dlse
-    dp = jnp.einsum("bqhd,bkhd->bhqk", do, jnp.repeat(vf, group, axis=2), precision="highest")
+    dp = drop * jnp.einsum("bqhd,bkhd->bhqk", do, jnp.repeat(vf, group, axis=2),
+                           precision="highest")
 
     def grads(region):
         def scores(qf, kf, rows, cols):
@@ -133,7 +155,7 @@ def _tile_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap,
         x, pull = jax.vjp(scores, qf, kf, rows, cols)
         p = jnp.exp(x - lse_safe[..., None])
         dq, dk, drows, dcols = pull(p * (dp - row[..., None]))
-        dv = _fold(jnp.einsum("bhqk,bqhd->bkhd", p, do, precision="highest"), group)
+        dv = _fold(jnp.einsum("bhqk,bqhd->bkhd", p * drop, do, precision="highest"), group)
         return dq, dk, dv, drows, dcols
 
     _, dq_region, dkv_region = _regions(tables, group, q.shape[1], k.shape[1], config.block_kv)
@@ -143,14 +165,15 @@ def _tile_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), drows, dcols
 
 
-def _softmax(s, vf):
-    """`(out, lse, max)` of masked scores `s [B, Hq, Sq, Skv]` (-inf: hidden)."""
+def _softmax(s, vf, drop=1.0):
+    """`(out, lse, max)` of masked scores `s [B, Hq, Sq, Skv]` (-inf: hidden); `drop`
+    multiplies the probabilities that meet `vf`."""
     m = s.max(-1)
     seen = jnp.isfinite(m)
     m_safe = jnp.where(seen, m, 0.0)
     p = jnp.exp(s - m_safe[..., None])
     denom = p.sum(-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(seen, denom, 1.0)[..., None], vf,
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(seen, denom, 1.0)[..., None] * drop, vf,
                      precision="highest")
     lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
     return out, lse, jnp.where(seen, m, -jnp.inf)
@@ -163,33 +186,38 @@ def _fold(x, group: int):
 
 
 def fake_forward(q, k, v, rows, cols, *, scale, softcap, geometry, tile_fn, config,
-                 tables=None, infos=None, indices=None):
+                 tables=None, infos=None, indices=None, dropout=None, drop_state=None):
     fh._check_packed(geometry, tile_fn, tables, infos)
+    fh._drop_args(dropout, drop_state, q.shape[0], q.shape[2], q.shape[1])  # its checks
+    drop = _drop(dropout, drop_state, q, k)
     if geometry.packed:
-        out, lse, m = _dense(q, k, v, infos, scale, softcap, geometry)
+        out, lse, m = _dense(q, k, v, infos, scale, softcap, geometry, drop)
     else:
         out, lse, m = _tile_forward(q, k, v, rows, cols, scale=scale, softcap=softcap,
                                     geometry=geometry, tile_fn=tile_fn, config=config,
-                                    tables=tables, indices=indices)
+                                    tables=tables, indices=indices, drop=drop)
     return out.astype(q.dtype), lse, m
 
 
 def fake_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap, geometry,
-                  tile_fn, config, tables=None, infos=None, indices=None):
+                  tile_fn, config, tables=None, infos=None, indices=None, dropout=None,
+                  drop_state=None):
     """As the kernels: P from the given `lse` (a block of a larger problem gets the whole
     problem's, so P is its share), dS = P * (dP - (rowsum(dO * O) - dlse))."""
     fh._check_packed(geometry, tile_fn, tables, infos)
+    fh._drop_args(dropout, drop_state, q.shape[0], q.shape[2], q.shape[1])
+    drop = _drop(dropout, drop_state, q, k)
     if not geometry.packed:
         return _tile_backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale,
                               softcap=softcap, geometry=geometry, tile_fn=tile_fn, config=config,
-                              tables=tables, indices=indices)
+                              tables=tables, indices=indices, drop=drop)
     visible, s, th, qf, kf, vf = _scores(q, k, v, infos, scale, softcap, geometry)
     group = q.shape[2] // k.shape[2]
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # rows that see nothing: P = 0
     p = jnp.where(visible, jnp.exp(s - lse_safe[..., None]), 0.0)
     do = dout.astype(jnp.float32)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do, precision="highest")
-    dp = jnp.einsum("bqhd,bkhd->bhqk", do, vf, precision="highest")
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p * drop, do, precision="highest")
+    dp = drop * jnp.einsum("bqhd,bkhd->bhqk", do, vf, precision="highest")
     row = jnp.einsum("bqhd,bqhd->bhq", do, out.astype(jnp.float32), precision="highest") - dlse
     ds = p * (dp - row[..., None])
     if th is not None:
@@ -206,29 +234,31 @@ def _not_run(*_):
                        "several CPU devices at once crashes jaxlib")
 
 
-def _operands(rows, cols, tables, infos, indices):
+def _operands(rows, cols, tables, infos, indices, drop_state=None):
     """What a kernel reads besides q, k, v (and the backward's residuals)."""
     return (*(x for x in (rows, cols) if x.size), *(tables or ()), *(infos or ()),
-            *(indices or ()))
+            *(indices or ()), *(() if drop_state is None else (drop_state,)))
 
 
 def opaque_forward(q, k, v, rows, cols, *, scale, softcap, geometry, tile_fn, config,
-                   tables=None, infos=None, indices=None):
+                   tables=None, infos=None, indices=None, dropout=None, drop_state=None):
     """A call of the forward's shapes behind `jax.pure_callback`: one XLA cannot look into or
     partition (as the kernels' custom calls), so that a test of the partitioning can fail. Its
     programs are compiled and inspected, never run."""
     stats = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats)
     return jax.pure_callback(_not_run, shapes, q, k, v,
-                             *_operands(rows, cols, tables, infos, indices))
+                             *_operands(rows, cols, tables, infos, indices, drop_state))
 
 
 def opaque_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale, softcap, geometry,
-                    tile_fn, config, tables=None, infos=None, indices=None):
+                    tile_fn, config, tables=None, infos=None, indices=None, dropout=None,
+                    drop_state=None):
     side = tuple(x for x in (rows, cols) if x.size)  # the row and column inputs' gradients
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *side))
     grads = list(jax.pure_callback(_not_run, shapes, q, k, v, out, lse, dout, dlse,
-                                   *_operands(rows, cols, tables, infos, indices)))
+                                   *_operands(rows, cols, tables, infos, indices,
+                                              drop_state)))
     dq, dk, dv = grads[:3]
     drows = grads[3] if rows.size else rows
     dcols = grads[-1] if cols.size else cols

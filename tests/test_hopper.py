@@ -19,7 +19,7 @@ import pytest
 
 import attnaux as ax
 from attnaux import _flash_hopper as fh
-from attnaux import _flex
+from attnaux import _flex, _philox
 from attnaux import _hopper_mods as hm
 from attnaux._score_program import Untranslatable, evaluate, pack_consts, translate
 
@@ -37,10 +37,25 @@ def _close(got, want, rel, what):
 
 # ---- the kernels themselves, over the masking geometry
 def _reference(q, k, v, rows, cols, scale, softcap, geo, tile):
+    g = q.shape[2] // k.shape[2]
+    s = _reference_scores(q, k, rows, cols, scale, softcap, geo, tile)
+    vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)
+    m = s.max(-1)
+    ms = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - ms[..., None])
+    denom = p.sum(-1)
+    seen = denom > 0
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(seen, denom, 1.0)[..., None], vf,
+                     precision="highest")
+    lse = jnp.where(seen, ms + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+    return out, lse, jnp.where(seen, m, -jnp.inf)
+
+
+def _reference_scores(q, k, rows, cols, scale, softcap, geo, tile):
+    """The modified scores `[B, Hq, Sq, Skv]` in float32, -inf where hidden."""
     b, sq, hq, _ = q.shape
     g = hq // k.shape[2]
-    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
-    kf, vf = jnp.repeat(kf, g, axis=2), jnp.repeat(vf, g, axis=2)
+    qf, kf = q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), g, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
@@ -53,16 +68,7 @@ def _reference(q, k, v, rows, cols, scale, softcap, geo, tile):
                            tuple(rows[:, :, i, :, None] for i in range(rows.shape[2])),
                            tuple(cols[:, :, i, None, :] for i in range(cols.shape[2])))
         vis = vis & extra
-    s = jnp.where(vis, s, -jnp.inf)
-    m = s.max(-1)
-    ms = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - ms[..., None])
-    denom = p.sum(-1)
-    seen = denom > 0
-    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(seen, denom, 1.0)[..., None], vf,
-                     precision="highest")
-    lse = jnp.where(seen, ms + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
-    return out, lse, jnp.where(seen, m, -jnp.inf)
+    return jnp.where(vis, s, -jnp.inf)
 
 
 def _tile(s, q_pos, kv_pos, b, h, rows, cols):
@@ -122,6 +128,124 @@ def test_kernels_against_float32_reference(case):
     for name, g, r in zip(("dq", "dk", "dv", "drows", "dcols"), grads, r_grads, strict=True):
         if tile is not None or name in ("dq", "dk", "dv"):
             _close(g.astype(jnp.float32), r, 3e-2, name)
+
+
+# ---- dropout: attnaux's keep-mask drawn inside the kernels
+def _block_state(seed: int, origin, sizes):
+    """A 12-word block state: random seed and offset, `origin` (b0, h0, i0, j0), the whole
+    problem's `sizes` (Hq', Sq', Skv') and no shift."""
+    rng = jax.random.bits(jax.random.key(seed), (4,), jnp.uint32)
+    return jnp.concatenate([rng, jnp.asarray([*origin, *sizes, 0], jnp.uint32)])
+
+
+def test_dropout_rows_and_factor_are_the_whole_problems_mask():
+    """What the kernels trace for dropout (`dropout_rows`, then `_drop_factor` a chunk of
+    columns at a time) is, on plain arrays, the block's part of the whole problem's keep-mask
+    (`dropout_keep_mask`, from the linear index in 64 bits): a block at an origin inside a
+    problem of over 2**32 elements, so the index's high word and the carry matter."""
+    bsz, heads, sq, skv = 2, 3, 40, 48
+    whole = (4, 5, 600, 4_000_000_000)  # B', Hq', Sq', Skv': 4.8e13 elements
+    origin = (1, 2, 520, 3_999_999_900)  # j0: most rows' low word carries
+    state = _block_state(7, origin, whole[1:])
+    rate = 0.3
+    rows = fh.dropout_rows(state, bsz, heads, sq)
+    seeds = tuple(jnp.asarray(fh._dropout_seeds(state)).astype(jnp.uint32))
+    key_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (sq, skv))
+    got = np.stack([np.stack([np.asarray(fh._drop_factor(
+        rate, seeds, *(jnp.broadcast_to(rows[b, h, c][:, None], (sq, skv)) for c in range(2)),
+        key_pos)) for h in range(heads)]) for b in range(bsz)])
+    b0, h0, i0, j0 = origin
+    cols = jnp.arange(j0, j0 + skv, dtype=jnp.uint32)
+    for b in range(bsz):  # the whole mask is too big: the block's rows, one (b, h) at a time
+        for h in range(heads):
+            row = ((b0 + b) * whole[1] + h0 + h) * whole[2] + i0 + jnp.arange(sq)
+            want = _philox.keep_at(state[:4], rate, row[:, None].astype(jnp.uint32),
+                                   cols[None, :], np.uint32(whole[3]))
+            np.testing.assert_array_equal(got[b, h] > 0, np.asarray(want), err_msg=f"{b}, {h}")
+    kept = got[got > 0]
+    np.testing.assert_allclose(kept, 1.0 / (1.0 - rate), rtol=1e-7)
+    assert abs((got > 0).mean() - (1 - rate)) < 0.03
+    # the rows' index words, exactly (Python integers), and a chunk whose keys carry into the
+    # high word
+    e = np.asarray(rows[..., 0, :], np.uint64) * 2**32 + np.asarray(rows[..., 1, :], np.uint64)
+    bb, hh, ii = np.meshgrid(np.arange(bsz), np.arange(heads), np.arange(sq), indexing="ij")
+    want_e = ((((b0 + bb) * whole[1] + h0 + hh) * whole[2] + i0 + ii).astype(np.uint64)
+              * np.uint64(whole[3]) + np.uint64(j0))
+    np.testing.assert_array_equal(e, want_e)
+    e_first = np.uint64(7 * 2**32 + 2**32 - 20)  # keys 20.. of the row carry
+    hi, lo = np.uint32(e_first >> np.uint64(32)), np.uint32(e_first & np.uint64(2**32 - 1))
+    carried = fh._drop_factor(rate, seeds, jnp.full((1, 48), hi), jnp.full((1, 48), lo),
+                              key_pos[:1])
+    e_all = e_first + np.arange(48, dtype=np.uint64)
+    words = _philox.keep_word(state[:4], jnp.asarray((e_all >> np.uint64(32)).astype(np.uint32)),
+                              jnp.asarray((e_all & np.uint64(2**32 - 1)).astype(np.uint32)))
+    np.testing.assert_array_equal(np.asarray(carried[0]) > 0,
+                                  np.asarray(words) >= _philox.keep_threshold(rate))
+
+
+DROPOUT_CASES = [  # (head dim, kv heads, causal, softcap, tile function, origin)
+    (64, 2, False, None, None, (0, 0, 0, 0)),
+    (128, 2, True, None, None, (1, 4, 256, 256)),
+    (128, 1, True, 30.0, TILE, (3, 0, 384, 0)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: "-".join(map(str, c[:4])))
+def test_kernels_with_dropout_against_float32_reference(case):
+    """The kernels draw attnaux's keep-mask for a block of a larger problem (the origin and
+    sizes of a 12-word block state): out and the gradients equal a float32 reference that
+    multiplies P by the mask drawn with `_philox.keep_at` (lse and max are of the scores);
+    the backward twice is bitwise the same."""
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    from hopper_emulation import _drop
+
+    dim, hkv, causal, softcap, tile, origin = case
+    b, sq, skv, hq = 2, 384, 512, 4
+    rate = 0.2
+    state = _block_state(3, origin, (8, 1024, 1024))
+    geo = fh.Geometry(causal, None, 0, skv - 37, sq)
+    keys = [jax.random.fold_in(jax.random.key(2), i) for i in range(7)]
+    q = jax.random.normal(keys[0], (b, sq, hq, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, skv, hkv, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, skv, hkv, dim), jnp.bfloat16)
+    rows = jax.random.normal(keys[3], (b, hq, 1, sq), jnp.float32)
+    cols = jax.random.normal(keys[4], (b, hq, 1, skv), jnp.float32)
+    dout = jax.random.normal(keys[5], (b, sq, hq, dim), jnp.bfloat16)
+    dlse = jax.random.normal(keys[6], (b, hq, sq), jnp.float32)
+    scale, cfg = dim ** -0.5, fh.default_config(dim)
+    drop = dict(dropout=rate, drop_state=state)
+    out, lse, mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap, geometry=geo,
+                              tile_fn=tile, config=cfg, **drop)
+    factor = _drop(rate, state, q, k)
+    g = hq // hkv
+
+    def ref(q, k, v, rows, cols):
+        _, lse_, mx_ = _reference(q, k, v, rows, cols, scale, softcap, geo, tile)
+        s = _reference_scores(q, k, rows, cols, scale, softcap, geo, tile)
+        seen = jnp.isfinite(lse_)
+        p = jnp.where(seen[..., None], jnp.exp(s - jnp.where(seen, lse_, 0.0)[..., None]), 0.0)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p * factor, jnp.repeat(v, g, axis=2),
+                       precision="highest")
+        return o, jnp.where(seen, lse_, 0.0), mx_
+
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    (r_out, r_lse, r_mx), pull = jax.vjp(ref, *f32, rows, cols)
+    _close(out, r_out, 3e-2, "out")
+    _close(jnp.where(jnp.isfinite(lse), lse, 0.0), r_lse, 1e-4, "lse")
+    _close(mx, r_mx, 1e-4, "max")
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+    grads = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
+                        geometry=geo, tile_fn=tile, config=cfg, **drop)
+    again = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
+                        geometry=geo, tile_fn=tile, config=cfg, **drop)
+    for a, c in zip(grads, again, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    r_grads = pull((dout.astype(jnp.float32), dlse, jnp.zeros_like(r_mx)))
+    for name, a, r in zip(("dq", "dk", "dv", "drows", "dcols"), grads, r_grads, strict=True):
+        if tile is not None or name in ("dq", "dk", "dv"):
+            _close(a.astype(jnp.float32), r, 3e-2, name)
 
 
 def test_lengths_and_segment_ids_reach_the_kernels_in_the_mask_mod(monkeypatch):

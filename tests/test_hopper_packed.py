@@ -177,7 +177,8 @@ def _emulated_case(seed=0, b=2, s=150):
 def _packed_run(q, k, v, **options):
     """`_hopper_packed.run` as the dispatch calls it: `(out, lse)`."""
     statics = parse_statics(scale=None, causal=options.pop("causal", False), window=None,
-                            softcap=options.pop("softcap", None), dropout_rate=0.0)
+                            softcap=options.pop("softcap", None),
+                            dropout_rate=options.pop("dropout_rate", 0.0))
     problem = canonicalize(q, k, v, statics, **options)
     out, lse, _, _ = hpk.run(problem.arrays, problem.options, False)
     return out, lse
@@ -234,6 +235,74 @@ def test_vmap_folds_into_the_batch_with_emulated_kernels():
                 for g_, w_ in zip(got_grads, gi):
                     _close(g_[i, j], w_, 1e-5, f"grad[{i}, {j}]")
     assert jaxpr.count("attnaux_kernel_call") == 1, "the mapped calls are one kernel call"
+
+
+def test_dropout_with_emulated_kernels_draws_the_reference_mask():
+    """With dropout the kernels get the call's 12-word block state (origin 0, the unpadded
+    sizes) and draw attnaux's keep-mask: around the stand-in (which draws it from the
+    documented index), out, lse and the gradients equal the `reference` backend's with the
+    same key, lengths, segments, softcap and sink included; other keys give other values."""
+    q, k, v, w, options = _emulated_case()
+    options.update(dropout_rate=0.3)
+
+    def loss(run, q, k, v):
+        out, lse = run(q, k, v)
+        return (out * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum(), (out, lse)
+
+    def packed(key):
+        return jax.value_and_grad(
+            lambda *a: loss(lambda *x: _packed_run(*x, key=key, **dict(options)), *a),
+            argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    with emulated_kernels():
+        got = packed(jax.random.key(5))
+        other = packed(jax.random.key(6))
+    want = jax.value_and_grad(lambda *a: loss(
+        lambda *x: (lambda r: (r[0], r[1].lse))(
+            ax.attention(*x, backend="reference", key=jax.random.key(5), **options)), *a),
+        argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    _close(got[0][1][0], want[0][1][0], 1e-5, "out")
+    _close(got[0][1][1], want[0][1][1], 1e-5, "lse")
+    for name, g_, w_ in zip("qkv", got[1], want[1]):
+        _close(g_, w_, 1e-4, f"d{name}")
+    assert float(jnp.abs(other[0][1][0] - got[0][1][0]).max()) > 0.1, "the key draws the mask"
+
+
+def test_dropout_under_vmap_maps_the_calls_one_by_one():
+    """The dropout counters use the batch index, so `jax.vmap` of a call with dropout runs
+    the elements one after another (folding them into the batch would draw another mask):
+    each mapped result equals the call of its element, gradients too."""
+    q, k, v, _, options = _emulated_case(b=1)
+    options = dict(causal=True, dropout_rate=0.25, q_segment_ids=options["q_segment_ids"],
+                   kv_segment_ids=options["kv_segment_ids"])
+    qs, ks, vs = (jnp.stack([x, -x, 0.5 * x]) for x in (q, k, v))
+    key = jax.random.key(3)
+
+    def one(q, k, v):
+        return _packed_run(q, k, v, key=key, **dict(options))[0]
+
+    with emulated_kernels():
+        got = jax.vmap(one)(qs, ks, vs)
+        grads = jax.grad(lambda *a: (jax.vmap(one)(*a) ** 2).sum(), argnums=(0, 1, 2))(
+            qs, ks, vs)
+        for i in range(3):
+            _close(got[i], one(qs[i], ks[i], vs[i]), 1e-6, f"out[{i}]")
+            gi = jax.grad(lambda *a: (one(*a) ** 2).sum(), argnums=(0, 1, 2))(
+                qs[i], ks[i], vs[i])
+            for name, g_, w_ in zip("qkv", grads, gi):
+                _close(g_[i], w_, 1e-5, f"d{name}[{i}]")
+
+
+def test_dropout_is_not_chosen_for_a_whole_call():
+    """The dispatch keeps cuDNN's generator for a whole call with dropout and segment ids (the
+    Hopper kernels draw attnaux's mask for context parallelism), and says so."""
+    problem = _problem(CASES[0])
+    statics = parse_statics(scale=None, causal=True, window=None, softcap=None,
+                            dropout_rate=0.1)
+    a = problem.arrays
+    dropped = canonicalize(a.q, a.k, a.v, statics, q_segment_ids=a.q_segment_ids,
+                           kv_segment_ids=a.kv_segment_ids, key=jax.random.key(0))
+    assert hpk._options_unavailable(dropped.options, False) == hpk.DROPOUT_NOT_CHOSEN
 
 
 # ---- on a Hopper GPU

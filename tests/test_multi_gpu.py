@@ -11,9 +11,9 @@ host CPU devices, on real GPUs with the GPU kernels (cuDNN `flash`, attnaux's CU
   and zigzag, causal and not, GQA, segment ids, global lengths, windows, softcap and sink: out,
   lse, max and the gradients (through `aux.lse` too) equal `attnaux.attention(backend="flash")`
   of the whole sequence on one GPU, also with a bottom-right mask and lengths, and with a window
-  on top of it on a Hopper GPU (attnaux's own kernels serve those blocks); dropout runs with
-  `backend="flex"` (blockwise JAX, attnaux's generator: the `reference` call's mask) and is
-  refused on the fused kernels, as is that window on other GPUs.
+  on top of it on a Hopper GPU (attnaux's own kernels serve those blocks); dropout runs on
+  attnaux's Hopper kernels and with `backend="flex"` (blockwise JAX), both drawing attnaux's
+  generator's mask (the `reference` call's), and is refused on other GPUs, as is that window.
 
 Skipped without 2 or more GPUs (CI has none). Tolerances: bfloat16 inputs for cuDNN; both sides
 round `out` and the gradients to bfloat16 (1 ulp = 7.8e-3 relative), and the ring merges block
@@ -362,12 +362,33 @@ def test_context_parallel_dropout_with_flex_blocks():
         close(g, w, 1e-4, f"d{name}")
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs Hopper GPUs (attnaux's own kernels)")
+def test_context_parallel_dropout_on_the_hopper_kernels():
+    """Dropout under context parallelism with the default backend on Hopper GPUs: attnaux's
+    own kernels serve the blocks, each drawing its part of the unsharded call's keep-mask, so
+    the values and gradients equal the `reference` backend (the same generator) on one GPU
+    with the same key; bfloat16 inputs on both sides."""
+    n = COUNTS[-1]
+    q, k, v = inputs(2, 256 * n, 8, 4, 64, seed=10)
+    options = dict(causal=True, window=(300, 0), dropout_rate=0.2, key=jax.random.key(5),
+                   kv_seqlens=jnp.asarray([256 * n, 256 * n - 77]))
+    cp = jax.grad(probe_loss(cp_attend(n, "ring", "zigzag", **options)), argnums=(0, 1, 2),
+                  has_aux=True)
+    plain = jax.grad(probe_loss(lambda q, k, v: ax.attention(q, k, v, backend="reference",
+                                                             **options)),
+                     argnums=(0, 1, 2), has_aux=True)
+    grads, values = jax.jit(cp)(q, k, v)
+    want_grads, want = jax.jit(plain)(*one_gpu(q, k, v))
+    check(values, grads, want, want_grads)
+
+
 @pytest.mark.parametrize("options", [
     dict(dropout_rate=0.1, causal=True),
     dict(causal="bottom_right", kv_seqlens=jnp.asarray([400]), window=(64, 0))])
 def test_context_parallel_refuses_what_cudnn_cannot_place(options):
-    if "window" in options and ON_HOPPER:
-        pytest.skip("attnaux's Hopper kernels serve it (test_context_parallel_windows)")
+    if ON_HOPPER:
+        pytest.skip("attnaux's Hopper kernels serve it (test_context_parallel_windows, "
+                    "test_context_parallel_dropout_on_the_hopper_kernels)")
     q, k, v = inputs(1, 512, 4, 4, 64)
     if "dropout_rate" in options:
         options = dict(options, key=jax.random.key(0))

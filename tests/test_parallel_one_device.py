@@ -99,6 +99,36 @@ def test_zigzag_windows_on_one_device(options):
     _check(cp, plain, q, k, v, tol)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_zigzag_dropout_on_one_device(strategy):
+    """Dropout on a one-device zigzag ring with the compiled kernels (the C++ kernels on CPU;
+    on a Hopper GPU attnaux's own kernels, which draw each block's part of the whole problem's
+    keep-mask): equal to the `reference` backend (attnaux's generator) with the same key."""
+    mesh, tol, (q, k, v) = _setup("sp", seq=128, seed=3)
+    if jax.default_backend() == "gpu" and not str(
+            getattr(jax.devices()[0], "compute_capability", "")).startswith("9."):
+        pytest.skip("dropout under context parallelism on GPU needs attnaux's Hopper kernels")
+    options = dict(causal=True, window=(90, 0), dropout_rate=0.25,
+                   kv_seqlens=jnp.asarray([128, 101], jnp.int32))
+    key = jax.random.key(8)
+
+    def cp(q, k, v):
+        def local(q, k, v, key):
+            out, aux = par.ring_attention(q, k, v, axis_name="sp", layout="zigzag",
+                                          strategy=strategy, key=key, **options)
+            return out, aux.lse
+        out, lse = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                                 out_specs=(P(None, "sp"), P(None, None, "sp")))(
+            *(par.zigzag(x, 1, axis=1) for x in (q, k, v)), key)
+        return par.unzigzag(out, 1, axis=1), par.unzigzag(lse, 1, axis=2)
+
+    def plain(q, k, v):
+        out, aux = ax.attention(q, k, v, backend="reference", key=key, **options)
+        return out, aux.lse
+
+    _check(cp, plain, q, k, v, tol)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_attention_inside_shard_map_on_one_device(check_vma):
     """`attnaux.attention` (the platform's flash backend: cuDNN on GPU) inside `jax.shard_map`,

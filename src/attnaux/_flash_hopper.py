@@ -363,9 +363,10 @@ def default_config(head_dim: int) -> Config:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
-                                             "config"))
+                                             "config", "dropout"))
 def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, tile_fn,
-            config: Config, tables=None, infos=None, indices=None):
+            config: Config, tables=None, infos=None, indices=None, dropout=None,
+            drop_state=None):
     """`(out, lse, max)` for padded `q [B, Sq, Hq, D]`, `k`/`v [B, Skv, Hkv, D]` (Sq a multiple
     of 128, Skv of `config.block_kv`); `rows [B, Hq, n_rows, Sq]`, `cols [B, Hq, n_cols, Skv]`
     float32 (n = 0: shape with 0). lse/max `[B, Hq, Sq]` float32, natural log. `tables`: None
@@ -376,12 +377,15 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     from them (`_hopper_packed.tables`). `indices`: None, or `(batch [B], heads [Hq])` int32,
     the batch and query-head index that the tile function sees for each entry of the arrays
     (a shard's global indices, `_hopper_mods`); None: the entry's own index. Only the tile
-    function sees them: every array is read at the entry's own index."""
+    function sees them: every array is read at the entry's own index. `dropout`: None, or the
+    rate (static) with `drop_state` the 12-word block state (`docs/kernel_abi.md`): P times
+    attnaux's keep-mask over `1 - rate` meets V; lse and max are of the scores, as always."""
     pl, plgpu = _pallas()
     _check_packed(geometry, tile_fn, tables, infos)
     packed = geometry.packed
     by_index = indices is not None and tile_fn is not None
     bsz, q_seq, q_heads, dim = q.shape
+    drop_args = _drop_args(dropout, drop_state, bsz, q_heads, q_seq)
     kv_seq, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     dtype = q.dtype
@@ -414,6 +418,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         at += 2 * packed
         index_refs = refs[at:at + 2] if by_index else None
         at += 2 * by_index
+        seed_ref, erow_ref = refs[at:at + 2] if dropout else (None, None)
+        at += 2 * bool(dropout)
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
         k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
@@ -456,6 +462,14 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 for r in range(n_rows))
             q_info = tuple(plgpu.load(qinfo_ref.at[b, c, pl.ds(q0, block_q)], layout=row_layout,
                                       optimized=False) for c in range(2)) if packed else ()
+            if dropout:
+                seeds = _read_seeds(seed_ref)
+                e_rows = tuple(
+                    lax.broadcast_in_dim(
+                        plgpu.load(erow_ref.at[b, h, c, pl.ds(q0, block_q)], layout=row_layout,
+                                   optimized=False),
+                        (block_q, block_kv), [0])
+                    for c in range(2))
             plgpu.barrier_wait(q_ready.at[wg])
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
             denom = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
@@ -517,7 +531,10 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 alpha = jnp.exp2(m * exp_scale - m_base)
                 p = jnp.exp2(x * exp_scale - lax.broadcast_in_dim(m_base, x.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                denom = denom * alpha + p.sum(axis=1)
+                denom = denom * alpha + p.sum(axis=1)  # of P before dropout
+                if dropout:
+                    p = p * _drop_factor(dropout, seeds, *e_rows, kv_iota + step * block_kv,
+                                          _wide_mulhilo)
                 p16 = p.astype(dtype)
                 acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
                 plgpu.barrier_arrive(turn)
@@ -531,8 +548,10 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, denom
 
+            # with dropout every tile pays for the keep-mask anyway: one visit body (the
+            # masks' share is small), a third of the code to compile
             carry = _walk(cta_lo, cta_hi, own, visit, skip, (acc, m, denom),
-                          all_masked=_all_masked(tile_fn, table))
+                          all_masked=_all_masked(tile_fn, table) or bool(dropout))
             acc, m, denom = carry
             pl.when(wg == 0)(take_turn)
 
@@ -590,7 +609,19 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, *([rows] if n_rows else []), *([cols] if n_cols else []),
       *([table] if table is not None else []), *(infos if packed else ()),
-      *(indices if by_index else ()))
+      *(indices if by_index else ()), *drop_args)
+
+
+def _drop_args(dropout, drop_state, bsz: int, q_heads: int, q_seq: int):
+    """The kernels' dropout operands: the seed words and `dropout_rows` (none without)."""
+    if not dropout:
+        return ()
+    if not 0.0 < dropout < 1.0:
+        raise ValueError(f"`dropout` must be a rate in (0, 1) or None; got {dropout!r}")
+    if drop_state is None or tuple(drop_state.shape) != (12,):
+        raise ValueError("dropout in the Hopper kernels needs `drop_state`, the 12-word block "
+                         f"state; got {None if drop_state is None else drop_state.shape}")
+    return (_dropout_seeds(drop_state), dropout_rows(drop_state, bsz, q_heads, q_seq))
 
 
 def _fn_index(index_refs, b, h):
@@ -599,6 +630,87 @@ def _fn_index(index_refs, b, h):
     if index_refs is None:
         return b, h
     return index_refs[0][b], index_refs[1][h]
+
+
+DROPOUT_CHUNK = 16
+"""Columns of a tile whose dropout words are drawn together: Philox's four words of a chunk are
+what lives in registers (a whole 64 x 128 tile's would be 256 registers a thread)."""
+
+
+def dropout_rows(state, bsz: int, q_heads: int, q_seq: int):
+    """uint32 `[B, Hq, 2, Sq]`: the high and low words of the linear index `e` of key 0 of
+    every row of the local problem in the whole one, from the 12-word block state
+    (`docs/kernel_abi.md`: `e = (((b0 + b) * Hq' + h0 + h) * Sq' + i0 + i) * Skv' + j0 + j`);
+    the kernels add the key's `j`."""
+    from ._philox import mulhilo
+
+    w = jnp.asarray(state, jnp.uint32)
+    b = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
+    h = jnp.arange(q_heads, dtype=jnp.uint32)[None, :, None]
+    i = jnp.arange(q_seq, dtype=jnp.uint32)[None, None, :]
+    row = ((w[4] + b) * w[8] + w[5] + h) * w[9] + w[6] + i
+    hi, lo = mulhilo(row, w[10])
+    e_lo = lo + w[7]
+    e_hi = hi + (e_lo < lo).astype(jnp.uint32)
+    return jnp.stack([e_hi, e_lo], axis=2)
+
+
+def _dropout_seeds(state):
+    """The seed and offset words of a block state as int32 (the kernels read them as scalars,
+    as they read the block tables)."""
+    return lax.bitcast_convert_type(jnp.asarray(state, jnp.uint32)[:4], jnp.int32)
+
+
+def _wide_mulhilo(a, m):
+    """`(hi, lo)` of uint32 `a` times the constant `m` inside the kernels: a tile's 32 x 32 ->
+    64-bit products on the hardware multiplier (`arith.mului_extended`, one `mul.wide.u32`),
+    where `_philox.mulhilo`'s 16-bit halves take 18 operations; a scalar as `_philox`'s."""
+    from ._philox import mulhilo
+
+    if getattr(a, "ndim", 0) == 0:
+        return mulhilo(a, m)
+    _, plgpu = _pallas()
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic import gpu as mgpu
+
+    layout = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct(a.shape, jnp.uint32, layout=layout)
+    signed_m = int(m) - 2**32 if int(m) >= 2**31 else int(m)  # the i32 attribute's value
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
+    def products(_, x):
+        def half(reg, which: int):
+            return arith.MulUIExtendedOp(reg, mgpu.utils.c(signed_m, reg.type)).results[which]
+        return x._pointwise(lambda r: half(r, 1)), x._pointwise(lambda r: half(r, 0))
+
+    return products(plgpu.layout_cast(a, layout))
+
+
+def _drop_factor(rate: float, seeds, e_hi, e_lo, key_pos, mulhilo=None):
+    """`keep / (1 - rate)` of every pair of a tile (float32): attnaux's keep-mask
+    (`_philox.keep_word`, the pure-JAX mask's own function) at `e = (e_hi, e_lo) + key_pos`,
+    drawn `DROPOUT_CHUNK` columns at a time. `mulhilo`: the kernels' `_wide_mulhilo` (None:
+    `_philox`'s, on plain arrays)."""
+    from ._philox import keep_threshold, keep_word
+    from ._philox import mulhilo as portable_mulhilo
+
+    mulhilo = mulhilo or portable_mulhilo
+
+    threshold = keep_threshold(rate)
+    kept = 1.0 / (1.0 - rate)
+    parts = []
+    for c in range(0, e_lo.shape[1], DROPOUT_CHUNK):
+        cut = (slice(None), slice(c, c + DROPOUT_CHUNK))
+        base = e_lo[cut]
+        lo = base + key_pos[cut].astype(jnp.uint32)
+        hi = e_hi[cut] + (lo < base).astype(jnp.uint32)
+        keep = keep_word(seeds, hi, lo, mulhilo) >= threshold
+        parts.append(jnp.where(keep, jnp.float32(kept), jnp.float32(0.0)))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _read_seeds(seed_ref):
+    return tuple(seed_ref[i].astype(jnp.uint32) for i in range(4))
 
 
 def _check_packed(geometry: Geometry, tile_fn, tables, infos) -> None:
@@ -638,20 +750,22 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
-                                             "config"))
+                                             "config", "dropout"))
 def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap,
              geometry: Geometry, tile_fn, config: Config, tables=None, infos=None,
-             indices=None):
+             indices=None, dropout=None, drop_state=None):
     """`(dq, dk, dv, drows, dcols)` of `forward` (same padded shapes), given the cotangents of
     out and lse. dS = P * (dP - (D - dlse)), D = rowsum(dO * O), in two kernels: dK/dV (a CTA
     per 128 keys of a kv head, over the query tiles of every query head of its group) and dQ (a
     CTA per 128 query rows, over the key tiles). `tables`, `infos` and `indices` as for
-    `forward`."""
+    `forward`; with `dropout`, dP and the P that meets dO are those of the dropped P (the
+    forward's keep-mask, drawn again)."""
     pl, plgpu = _pallas()
     _check_packed(geometry, tile_fn, tables, infos)
     packed = geometry.packed
     by_index = indices is not None and tile_fn is not None
     bsz, q_seq, q_heads, dim = q.shape
+    drop_args = _drop_args(dropout, drop_state, bsz, q_heads, q_seq)
     kv_seq, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     dtype = q.dtype
@@ -661,7 +775,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     exp_scale = (scale * LOG2E) if plain else LOG2E
     mod = functools.partial(_modify, scale=scale, softcap=softcap, tile_fn=tile_fn,
                             geometry=geometry)
-    all_masked = _all_masked(tile_fn, tables)
+    all_masked = _all_masked(tile_fn, tables) or bool(dropout)  # one visit body, as forward
     dq_table = None if tables is None else tables[1]
     dkv_table = None if tables is None else tables[2]
     wgmma = plgpu.Layout.WGMMA
@@ -724,6 +838,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += 2 * packed
         index_refs = refs[i:i + 2] if by_index else None
         i += 2 * by_index
+        seed_ref, erow_ref = refs[i:i + 2] if dropout else (None, None)
+        i += 2 * bool(dropout)
         dk_ref, dv_ref = refs[i:i + 2]
         i += 2
         dcols_ref = refs[i] if n_cols else None
@@ -762,6 +878,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             plgpu.barrier_wait(v_ready.at[wg])
             zeros = plgpu.layout_cast(jnp.zeros((bk, dim), jnp.float32), wgmma)
             dk, dv = zeros, zeros
+            seeds = _read_seeds(seed_ref) if dropout else None
 
             def per_head(g, carry):
                 dk, dv = carry
@@ -807,16 +924,24 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                         vis = packed_visible(rows_info, own_keys, 1, (bk, bq))
                     p, vjp = scores_and_probs(s, q_pos, kv_pos, *fn_bh,
                                               row_vals, col_vals, lse_b, masked, vis)
+                    drop = None
+                    if dropout:  # the rows (queries) lie across this tile
+                        drop = _drop_factor(dropout, seeds, *(
+                            row_input(erow_ref, b, h, c_, q0, wgmma.reduce(0), (bk, bq), 1)
+                            for c_ in range(2)), kv_pos, _wide_mulhilo)
+                    p_v = p if drop is None else p * drop
                     plgpu.barrier_wait(do_ready.at[slot])
 
                     def dv_dp(refs):
                         dv_ref_, dp_ref_ = refs
-                        plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
+                        plgpu.wgmma(dv_ref_, p_v.astype(dtype), do_smem.at[slot])
                         plgpu.wgmma(dp_ref_, v_smem, do_smem.at[slot].transpose((1, 0)))
 
                     dp0 = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), wgmma)
                     dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(dp0)))
                     plgpu.barrier_arrive(do_free.at[slot])
+                    if drop is not None:
+                        dp = dp * drop
                     ds = p * (dp - rt_b)
                     if vjp is not None:
                         ds, _, dcol_tiles = vjp(ds)
@@ -892,7 +1017,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         dkv_out.append(jax.ShapeDtypeStruct(cols.shape, jnp.float32))
     extra = [*([rows] if n_rows else []), *([cols] if n_cols else [])]
     info_args = list(infos) if packed else []
-    index_args = list(indices) if by_index else []
+    index_args = (list(indices) if by_index else []) + list(drop_args)
     dkv_extra = (extra + ([dkv_table] if dkv_table is not None else []) + info_args
                  + index_args)
     dq_extra = extra + ([dq_table] if dq_table is not None else []) + info_args + index_args
@@ -925,6 +1050,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += 2 * packed
         index_refs = refs[i:i + 2] if by_index else None
         i += 2 * by_index
+        seed_ref, erow_ref = refs[i:i + 2] if dropout else (None, None)
+        i += 2 * bool(dropout)
         dq_ref = refs[i]
         i += 1
         drows_ref = refs[i] if n_rows else None
@@ -963,6 +1090,10 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(1), (bq, bk), 0)
                              for r in range(n_rows))
             own_rows = info_vectors(qinfo_ref, b, q0, wgmma.reduce(1)) if packed else None
+            if dropout:
+                seeds = _read_seeds(seed_ref)
+                e_rows = tuple(row_input(erow_ref, b, h, c_, q0, wgmma.reduce(1), (bq, bk), 0)
+                               for c_ in range(2))
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(do_ready.at[wg])
             plgpu.barrier_wait(st_ready.at[wg])
@@ -1008,6 +1139,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
 
                 dp = pl.run_scoped(dp_, plgpu.ACC((bq, bk), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
+                if dropout:
+                    dp = dp * _drop_factor(dropout, seeds, *e_rows, kv_pos, _wide_mulhilo)
                 ds = p * (dp - rt_b)
                 if vjp is not None:
                     ds, drow_tiles, _ = vjp(ds)

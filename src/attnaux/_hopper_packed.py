@@ -34,7 +34,14 @@ from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
 from ._kernel_call import add_sink
 from ._masking import diagonal_shift
-from ._partition import BATCH, folded, partitioned, table_layout, varying_like_operands
+from ._partition import (
+    BATCH,
+    dropout_origin,
+    folded,
+    partitioned,
+    table_layout,
+    varying_like_operands,
+)
 
 TILE = 64  # the tables' granularity: the backward's tiles, half a forward key tile
 _PAD_MULTIPLE = 128  # sequence lengths the kernels take (two warpgroups of 64 rows)
@@ -56,9 +63,12 @@ def geometry(options: Options, q_seq: int, kv_seq: int) -> hopper.Geometry:
 
 
 # ---- availability
+DROPOUT_NOT_CHOSEN = (
+    "the Hopper kernels draw attnaux's dropout mask (Philox-4x32-10 per element, in 32-bit "
+    "operations) for context parallelism only; for a whole call cuDNN's generator is faster")
 def _options_unavailable(options: Options, has_bias_or_mask: bool):
     if options.dropout_rate > 0:
-        return "the Hopper kernels draw no dropout mask"
+        return DROPOUT_NOT_CHOSEN
     if has_bias_or_mask:
         return "the Hopper kernels take no bias or boolean mask"
     return None
@@ -160,6 +170,7 @@ class _Static:
     softcap: float | None
     geometry: hopper.Geometry
     config: hopper.Config
+    dropout: float | None = None  # the rate; the kernels then take the 12-word block state
 
 
 def _no_side(bsz: int, heads: int, seq: int):
@@ -171,7 +182,7 @@ _LAYOUTS = {
     "t_fwd": (BATCH, "one", "q_blocks", "range"), "t_dq": (BATCH, "one", "q_blocks", "range"),
     "t_dkv": (BATCH, "one", "kv_blocks", "range"),
 }
-_FORWARD_OPERANDS = ("q", "k", "v", "q_info", "kv_info", "t_fwd", "t_dq", "t_dkv")
+_FORWARD_OPERANDS = ("q", "k", "v", "q_info", "kv_info", "t_fwd", "t_dq", "t_dkv", "rng_state")
 _BACKWARD_OPERANDS = _FORWARD_OPERANDS + ("out", "lse", "dout", "dlse")
 
 
@@ -179,22 +190,29 @@ def _layout(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
     return _LAYOUTS.get(name) or table_layout(name, shape)
 
 
-def _local_forward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv):
+def _dropout(st: _Static, rng_state):
+    """The kernels' dropout arguments: the rate and the shard's 12-word block state (whose
+    origin `_partition.partitioned` has moved to the shard)."""
+    return dict(dropout=st.dropout, drop_state=rng_state if st.dropout else None)
+
+
+def _local_forward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv, rng_state):
     bsz, q_seq, q_heads, _ = q.shape
     return hopper.forward(q, k, v, _no_side(bsz, q_heads, q_seq),
                           _no_side(bsz, q_heads, k.shape[1]), scale=st.scale,
                           softcap=st.softcap, geometry=st.geometry, tile_fn=None,
-                          config=st.config, tables=(t_fwd, t_dq, t_dkv), infos=(q_info, kv_info))
+                          config=st.config, tables=(t_fwd, t_dq, t_dkv), infos=(q_info, kv_info),
+                          **_dropout(st, rng_state))
 
 
-def _local_backward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv, out, lse, dout,
-                    dlse):
+def _local_backward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv, rng_state, out,
+                    lse, dout, dlse):
     bsz, q_seq, q_heads, _ = q.shape
     dq, dk, dv, _, _ = hopper.backward(
         q, k, v, out, lse, dout, dlse, _no_side(bsz, q_heads, q_seq),
         _no_side(bsz, q_heads, k.shape[1]), scale=st.scale, softcap=st.softcap,
         geometry=st.geometry, tile_fn=None, config=st.config, tables=(t_fwd, t_dq, t_dkv),
-        infos=(q_info, kv_info))
+        infos=(q_info, kv_info), **_dropout(st, rng_state))
     return dq, dk, dv
 
 
@@ -202,31 +220,36 @@ def _local_backward(st: _Static, q, k, v, q_info, kv_info, t_fwd, t_dq, t_dkv, o
 def _ops(st: _Static):
     """The forward and backward kernel calls of one static setting: each partitioned over
     batch and heads under SPMD (`_partition.partitioned`: a device runs its shard, no
-    gather), and folded under `jax.vmap`."""
+    gather; with dropout each shard's block state gets its origin), and folded under
+    `jax.vmap` (mapped one element after another with dropout, whose counters use the batch
+    index: folding would draw another mask)."""
+    drop = ("rng_state", True) if st.dropout else None
     forward = partitioned(functools.partial(_local_forward, st), "attnaux packed (Hopper)",
-                          _FORWARD_OPERANDS, ("out", "lse", "max"), layout=_layout)
+                          _FORWARD_OPERANDS, ("out", "lse", "max"), layout=_layout, dropout=drop)
     backward = partitioned(functools.partial(_local_backward, st),
                            "attnaux packed backward (Hopper)", _BACKWARD_OPERANDS,
-                           ("dq", "dk", "dv"), layout=_layout)
-    return varying_like_operands(folded(forward)), varying_like_operands(folded(backward))
+                           ("dq", "dk", "dv"), layout=_layout, dropout=drop)
+    sequential = bool(st.dropout)
+    return (varying_like_operands(folded(forward, sequential=sequential)),
+            varying_like_operands(folded(backward, sequential=sequential)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _call(st: _Static, q, k, v, infos, tabs):
-    return _call_fwd(st, q, k, v, infos, tabs)[0]
+def _call(st: _Static, q, k, v, infos, tabs, rng):
+    return _call_fwd(st, q, k, v, infos, tabs, rng)[0]
 
 
-def _call_fwd(st, q, k, v, infos, tabs):
-    out, lse, mx = _ops(st)[0](q, k, v, *infos, *tabs)
-    return (out, lse, mx), (q, k, v, infos, tabs, out, lse)
+def _call_fwd(st, q, k, v, infos, tabs, rng):
+    out, lse, mx = _ops(st)[0](q, k, v, *infos, *tabs, rng)
+    return (out, lse, mx), (q, k, v, infos, tabs, rng, out, lse)
 
 
 def _call_bwd(st, saved, cotangents):
-    q, k, v, infos, tabs, out, lse = saved
+    q, k, v, infos, tabs, rng, out, lse = saved
     dout, dlse, _ = cotangents  # the row max has no gradient
-    dq, dk, dv = _ops(st)[1](q, k, v, *infos, *tabs, out, lse, dout.astype(q.dtype),
+    dq, dk, dv = _ops(st)[1](q, k, v, *infos, *tabs, rng, out, lse, dout.astype(q.dtype),
                              dlse.astype(jnp.float32))
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _call.defvjp(_call_fwd, _call_bwd)
@@ -257,30 +280,52 @@ def _cleaned(q, k, v, q_info, kv_info):
                  for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
 
 
-def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool):
-    """`(st, q, k, v, infos, tables)` of a call, as the kernels take it: q, k and v cleaned
-    (`clean`) and padded to the kernels' multiple of 128, the token infos padded with padding
-    tokens, the static setting and the visiting ranges."""
+def block_state(rng_state, q, k):
+    """The 12-word block state of a call (`docs/kernel_abi.md`) from its `rng_state`: a block
+    of a larger problem keeps its own (context parallelism); 4 words become the origin 0 and
+    the call's unpadded sizes, taken before the kernels' padding."""
+    if rng_state.shape[0] == 12:
+        return rng_state.astype(jnp.uint32)
+    zero = jnp.uint32(0)
+    return dropout_origin(rng_state, zero, zero, q.shape[2], q.shape[1], k.shape[1])
+
+
+def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state=None):
+    """`(st, q, k, v, infos, tables, rng)` of a call, as the kernels take it: q, k and v
+    cleaned (`clean`) and padded to the kernels' multiple of 128, the token infos padded with
+    padding tokens, the static setting, the visiting ranges and, with dropout, the block
+    state (else an absent `(0,)`)."""
+    dropout = options.dropout_rate if options.dropout_rate > 0 else None
+    if dropout is not None:
+        if rng_state is None or rng_state.shape[0] not in (4, 12):
+            raise ValueError("dropout on the Hopper kernels needs the call's rng_state (4 or "
+                             "12 uint32 words)")
+        rng = block_state(rng_state, q, k)
+    else:
+        rng = jnp.zeros((0,), jnp.uint32)
     if clean:
         q, k, v = _cleaned(q, k, v, q_info, kv_info)
     qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
     infos = pad_infos(q_info, kv_info)
     g = geometry(options, qp.shape[1], kp.shape[1])
     config = hopper.default_config(qp.shape[-1])
-    st = _Static(options.scale, options.softcap or None, g, config)
-    return st, qp, kp, vp, infos, tables(*infos, g, config.block_kv)
+    st = _Static(options.scale, options.softcap or None, g, config, dropout)
+    return st, qp, kp, vp, infos, tables(*infos, g, config.block_kv), rng
 
 
-def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool):
+def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool,
+                     rng_state=None):
     """`(out [B, Sq, Hq, D], lse [B, Hq, Sq], max [B, Hq, Sq])` on the Hopper kernels for
     tokens described by `q_info [B, 2, Sq]`, `kv_info [B, 2, Skv]` (segment, position; see the
     module docstring). `clean`: zero the padding tokens of q, k and v first (the call may have
     padding that holds NaN: in a tile that mixes padding with visible pairs, a zero
     probability or score gradient would meet it in a product). Rows that see no key: out 0,
-    lse = max = -inf, zero gradients."""
+    lse = max = -inf, zero gradients. With `options.dropout_rate`, `rng_state` (4 words, or a
+    block's 12) draws attnaux's keep-mask of the `[B, Hq, Sq, Skv]` problem."""
     q_seq = q.shape[1]
-    st, qp, kp, vp, infos, tabs = _prepared(q, k, v, q_info, kv_info, options, clean)
-    out, lse, mx = _call(st, qp, kp, vp, infos, tabs)
+    st, qp, kp, vp, infos, tabs, rng = _prepared(q, k, v, q_info, kv_info, options, clean,
+                                                 rng_state)
+    out, lse, mx = _call(st, qp, kp, vp, infos, tabs, rng)
     return out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq]
 
 
@@ -310,15 +355,16 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
     del return_probs  # never asked (flash saves no probabilities)
     q_info, kv_info = token_infos(arrays, options)
     out, lse, mx = packed_attention(arrays.q, arrays.k, arrays.v, q_info, kv_info, options,
-                                    clean=options.has_seqlens)
+                                    clean=options.has_seqlens, rng_state=arrays.rng_state)
     if arrays.sink is not None:
         out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, mx, None
 
 
 FOLLOWS_BLOCK_STATE = True
-"""The kernels take a block's diagonal shift from its 12-word block state (`token_infos`), so
-context parallelism gives them every block as it is; they draw no dropout mask."""
+"""The kernels take a block's diagonal shift from its 12-word block state (`token_infos`), and
+with dropout its origin, so context parallelism gives them every block as it is and each block
+draws its part of the whole problem's keep-mask."""
 
 
 def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
@@ -327,10 +373,10 @@ def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
     are the whole problem's: the block's exact share of the gradients."""
     q, k = arrays.q, arrays.k
     q_seq, kv_seq = q.shape[1], k.shape[1]
-    st, qp, kp, vp, infos, tabs = _prepared(q, k, arrays.v, *token_infos(arrays, options),
-                                            options, options.has_seqlens)
+    st, qp, kp, vp, infos, tabs, rng = _prepared(q, k, arrays.v, *token_infos(arrays, options),
+                                                 options, options.has_seqlens, arrays.rng_state)
     dq, dk, dv = _ops(st)[1](
-        qp, kp, vp, *infos, *tabs, _pad_tokens(out.astype(q.dtype), 1),
+        qp, kp, vp, *infos, *tabs, rng, _pad_tokens(out.astype(q.dtype), 1),
         _pad_tokens(lse.astype(jnp.float32), 2, -jnp.inf), _pad_tokens(dout.astype(q.dtype), 1),
         _pad_tokens(dlse.astype(jnp.float32), 2))
     return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]

@@ -123,15 +123,27 @@ def unify_vma(args: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(None if a is None else match_vma(a, axes) for a in args)
 
 
-def folded(fn, broadcast_batch: tuple[int, ...] = (), no_batch: tuple[int, ...] = ()):
+def folded(fn, broadcast_batch: tuple[int, ...] = (), no_batch: tuple[int, ...] = (),
+           sequential: bool = False):
     """`fn` (every operand and result with the batch first) under `jax.vmap`: the mapped axis
     folded into the batch, one kernel launch. An operand that is not mapped is broadcast first,
     except those at `broadcast_batch` (block tables), whose batch dim of 1 broadcasts inside the
-    kernels, and those at `no_batch` (head ids: the same for every mapped element)."""
+    kernels, and those at `no_batch` (head ids: the same for every mapped element).
+    `sequential`: map the elements one after another instead (a dropout state's counters use
+    the batch index, so a folded call would draw another mask than `fn` of each element)."""
     wrapped = custom_vmap(fn)
 
     @wrapped.def_vmap
     def _(axis_size, in_batched, *args):
+        if sequential:
+            mapped = [x for x, m in zip(args, in_batched) if m]
+
+            def one(xs):
+                it = iter(xs)
+                return wrapped(*(next(it) if m else x for x, m in zip(args, in_batched)))
+
+            outs = jax.lax.map(one, mapped)
+            return tuple(outs), (True,) * len(outs)
         bsz = args[0].shape[1] if in_batched[0] else args[0].shape[0]
 
         def fold(i, x, mapped):

@@ -17,9 +17,11 @@ _W0 = np.uint32(0x9E3779B9)
 _W1 = np.uint32(0xBB67AE85)
 
 
-def _mulhilo(a: jax.Array, b: np.uint32) -> tuple[jax.Array, jax.Array]:
-    """(hi, lo) 32-bit halves of the 64-bit product of uint32 `a` and the constant `b`."""
-    b = jnp.uint32(b)
+def mulhilo(a: jax.Array, b) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) 32-bit halves of the 64-bit product of uint32 `a` and `b` (a constant or a
+    uint32 scalar), from 16-bit halves: only 32-bit operations, so it runs inside the Hopper
+    kernels too (`_flash_hopper`), where there is no 64-bit type."""
+    b = jnp.asarray(b, jnp.uint32)
     a0, a1 = a & 0xFFFF, a >> 16
     b0, b1 = b & 0xFFFF, b >> 16
     p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
@@ -28,15 +30,18 @@ def _mulhilo(a: jax.Array, b: np.uint32) -> tuple[jax.Array, jax.Array]:
     return hi, a * b
 
 
-def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]):
-    """Random123's Philox-4x32 with 10 rounds, elementwise over uint32 arrays."""
+def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array],
+                  mulhilo=mulhilo):
+    """Random123's Philox-4x32 with 10 rounds, elementwise over uint32 arrays. `mulhilo`:
+    how `(hi, lo)` of a product with a constant is computed (the Hopper kernels pass their
+    hardware multiply)."""
     c0, c1, c2, c3 = (jnp.asarray(c, jnp.uint32) for c in counter)
     k0, k1 = (jnp.asarray(x, jnp.uint32) for x in key)
     for round_index in range(10):
         if round_index:
             k0, k1 = k0 + _W0, k1 + _W1
-        hi0, lo0 = _mulhilo(c0, _M0)
-        hi1, lo1 = _mulhilo(c2, _M1)
+        hi0, lo0 = mulhilo(c0, _M0)
+        hi1, lo1 = mulhilo(c2, _M1)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return c0, c1, c2, c3
 
@@ -53,6 +58,20 @@ def keep_threshold(rate: float) -> np.uint32:
     return np.uint32(min(int(np.floor(rate32 * 2.0**32)), 2**32 - 1))
 
 
+def keep_word(rng_state, e_hi: jax.Array, e_lo: jax.Array, mulhilo=mulhilo) -> jax.Array:
+    """The Philox word of the elements with linear index `e = e_hi * 2**32 + e_lo` (uint32
+    arrays that broadcast): counter `(lo32(e >> 2), hi32(e >> 2), offset)`, key `seed`, word
+    `e & 3` (`docs/kernel_abi.md`). `rng_state`: the seed and offset words (a uint32 array or
+    a sequence of four uint32 scalars). Only 32-bit operations and two-way selects, so the
+    Hopper kernels trace this same function (with their own `mulhilo`)."""
+    seed_lo, seed_hi, off_lo, off_hi = (rng_state[i] for i in range(4))
+    g_lo = (e_lo >> 2) | (e_hi << 30)
+    g_hi = e_hi >> 2
+    w0, w1, w2, w3 = philox4x32_10((g_lo, g_hi, off_lo, off_hi), (seed_lo, seed_hi), mulhilo)
+    lane = e_lo & 3
+    return jnp.where(lane < 2, jnp.where(lane == 0, w0, w1), jnp.where(lane == 2, w2, w3))
+
+
 def keep_at(rng_state: jax.Array, rate: float, row: jax.Array, col: jax.Array,
             kv_total) -> jax.Array:
     """The keep bits of the elements at softmax row `row` (uint32, `(b * Hq + h) * Sq + i` in
@@ -60,15 +79,10 @@ def keep_at(rng_state: jax.Array, rate: float, row: jax.Array, col: jax.Array,
     broadcast; `kv_total` may be traced): `e = row * kv_total + col` in 64 bits, then the
     documented counter, key and word (`docs/kernel_abi.md`)."""
     rng_state = jnp.asarray(rng_state, jnp.uint32)
-    hi, lo = _mulhilo(jnp.asarray(row, jnp.uint32), kv_total)
+    hi, lo = mulhilo(jnp.asarray(row, jnp.uint32), kv_total)
     e_lo = lo + jnp.asarray(col, jnp.uint32)
     e_hi = hi + (e_lo < lo).astype(jnp.uint32)
-    g_lo = (e_lo >> 2) | (e_hi << 30)
-    g_hi = e_hi >> 2
-    words = philox4x32_10((g_lo, g_hi, rng_state[2], rng_state[3]), (rng_state[0], rng_state[1]))
-    lane = e_lo & 3
-    word = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])
-    return word >= keep_threshold(rate)
+    return keep_word(rng_state, e_hi, e_lo) >= keep_threshold(rate)
 
 
 def dropout_keep_mask(

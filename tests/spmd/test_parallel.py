@@ -299,6 +299,21 @@ def test_block_backends_draw_the_unsharded_mask(case, backend):
                arrays=dict(key=jax.random.key(11)))
 
 
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=list(DROPOUT_CASES))
+def test_hopper_kernels_draw_the_unsharded_mask(case, monkeypatch):
+    """Dropout on the blocks of attnaux's Hopper kernels (what serves it on a Hopper GPU, where
+    cuDNN's generator cannot draw a block's part), with their pure-JAX stand-in: each block's
+    12-word state reaches the kernels with its origin, so the mask is the unsharded call's."""
+    from hopper_emulation import emulated_kernels
+
+    from attnaux import _hopper_packed
+    from attnaux.parallel import _ring
+
+    monkeypatch.setattr(_ring, "_backend_module", lambda backend, platform: _hopper_packed)
+    with emulated_kernels():
+        check_case(DROPOUT_CASES[case], 8, arrays=dict(key=jax.random.key(11)))
+
+
 @pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("allgather", "contiguous")])
 def test_dropout_mask_is_the_unsharded_one(strategy, layout):
     q, k, v = inputs(3)

@@ -19,10 +19,10 @@ statistics), so `out`, `lse` and `max` are exact. The backward is a ring too: ea
 backward kernel run with the whole problem's `out` and `lse` (`block_backward` of the backend),
 exact, with the gradient through `aux.lse`. Dropout draws the unsharded call's keep-mask: each
 block's kernel gets its origin in the whole problem (the 12-word dropout state of
-`docs/kernel_abi.md`): the CPU kernels, and on any platform `backend="flex"` (the blockwise JAX
-path, `_flex_blocks`), which serves dropout on GPU. On a Hopper GPU, attnaux's own kernels
-(`_hopper_packed`, which follow the block state too) serve a window with a bottom-right mask and
-lengths, whose band cuDNN's static masks cannot place.
+`docs/kernel_abi.md`): the CPU kernels, attnaux's Hopper kernels (`_hopper_packed`), and on any
+platform `backend="flex"` (the blockwise JAX path, `_flex_blocks`). On a GPU, the Hopper kernels
+serve what cuDNN's static graphs cannot place: dropout (cuDNN's generator draws its own mask),
+and a window with a bottom-right mask and lengths.
 """
 
 import functools
@@ -670,20 +670,19 @@ def _backend_module(backend: str, platform: str):
     return module
 
 
-def _moving_band_module(arrays: Canonical):
-    """The backend for a window with a bottom-right mask and lengths on GPU: the band moves
-    per row by data, which cuDNN's static window bounds cannot follow; attnaux's Hopper kernels
-    take each block's shift from its block state, so they serve every block as it is."""
+def _hopper_module(arrays: Canonical, what: str, why_not_cudnn: str):
+    """The backend of the block calls on GPU where cuDNN cannot place a block: attnaux's Hopper
+    kernels, which take each block's diagonal shift and dropout origin from its block state
+    (a window with a bottom-right mask and lengths, whose band moves per row by data; dropout,
+    whose keep-mask must be the block's part of the whole problem's)."""
     from .. import _flash_hopper, _hopper_packed
 
     why = _flash_hopper.device_unavailable(arrays.q, arrays.k, arrays.v)
     if why is not None:
         raise ValueError(
-            "a `window` with a bottom-right mask and lengths is not supported by context "
-            "parallelism on this GPU: the diagonal moves per row by data, and cuDNN's window "
-            "bounds are static per graph (a bottom-right mask with lengths is served without a "
-            "window, and windows with every other mask); attnaux's Hopper kernels would, but "
-            f"{why}. `backend='flex'` serves it (blockwise JAX, slower)."
+            f"{what} is not supported by context parallelism on this GPU: {why_not_cudnn}; "
+            f"attnaux's Hopper kernels would serve it, but {why}. `backend='flex'` serves it "
+            "(blockwise JAX, exact, slower)."
         )
     return _hopper_packed
 
@@ -789,16 +788,17 @@ def ring_attention(
     module = _backend_module(backend, jax.default_backend())
     has_lengths = q_seqlens is not None or kv_seqlens is not None
     if not getattr(module, "FOLLOWS_BLOCK_STATE", True):
-        if options.dropout_rate > 0:
-            raise ValueError(
-                "dropout with context parallelism on GPU needs `backend='flex'` (blockwise JAX, "
-                "exact, slower than the fused kernels): cuDNN's dropout generator is static per "
-                "graph and cannot draw a block's part of the whole problem's mask (the CPU "
-                "kernels and flex take the block's origin)."
-            )
         windowed = options.window_left >= 0 or options.window_right >= 0
-        if options.causal == 2 and has_lengths and windowed:
-            module = _moving_band_module(arrays)
+        if options.dropout_rate > 0:
+            module = _hopper_module(
+                arrays, "dropout", "cuDNN's dropout generator is static per graph and cannot "
+                "draw a block's part of the whole problem's mask")
+        elif options.causal == 2 and has_lengths and windowed:
+            module = _hopper_module(
+                arrays, "a `window` with a bottom-right mask and lengths", "the diagonal moves "
+                "per row by data, and cuDNN's window bounds are static per graph (a "
+                "bottom-right mask with lengths is served without a window, and windows with "
+                "every other mask)")
     cfg = _Config(
         axis_name=axis_name, strategy=strategy, layout=layout,
         options=options._replace(causal=0, has_seqlens=True), causal=options.causal != 0,
