@@ -1,7 +1,8 @@
 """Dropout on a GPU: attnaux's Hopper kernels (attnaux's Philox keep-mask drawn in the kernel,
 what context parallelism runs on a Hopper GPU) against the same kernels without dropout and
-against cuDNN with and without its own dropout; ms forward and forward+backward (median of 20),
-bf16, causal. `python benchmarks/gpu_dropout.py` on a Hopper GPU."""
+against cuDNN with and without its own dropout, and an ALiBi `score_mod` with dropout on the
+Hopper kernels against `flex`; ms forward and forward+backward (median of 20), bf16, causal.
+`python benchmarks/gpu_dropout.py` on a Hopper GPU."""
 
 import time
 
@@ -34,6 +35,17 @@ def cudnn(rate):
     return f
 
 
+def alibi(backend, rate):
+    slopes = 2.0 ** -jnp.arange(1, H + 1, dtype=jnp.float32)
+
+    def f(q, k, v):
+        return ax.attention(q, k, v, causal=True, dropout_rate=rate, key=KEY if rate else None,
+                            score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                            backend=backend)[0]
+
+    return f
+
+
 def forward_backward(f):
     def loss(q, k, v):
         return (f(q, k, v).astype(jnp.float32) ** 2).sum()
@@ -61,6 +73,11 @@ def main():
             fwd = median_ms(make(rate), args)
             both = median_ms(forward_backward(make(rate)), args)
             print(f"{name}, dropout {rate}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms", flush=True)
+    for backend in ("auto", "flex"):
+        fwd = median_ms(alibi(backend, 0.1), args, n=5)
+        both = median_ms(forward_backward(alibi(backend, 0.1)), args, n=5)
+        print(f"ALiBi score_mod, backend={backend}, dropout 0.1: fwd {fwd:.3f} ms, "
+              f"fwd+bwd {both:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -248,11 +248,13 @@ def test_kernels_with_dropout_against_float32_reference(case):
             _close(a.astype(jnp.float32), r, 3e-2, name)
 
 
-def test_lengths_and_segment_ids_reach_the_kernels_in_the_mask_mod(monkeypatch):
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_lengths_and_segment_ids_reach_the_kernels_in_the_mask_mod(monkeypatch, dropout):
     """On a Hopper GPU a call with functions and lengths / segment ids runs on the kernels with
     those folded into the mask_mod (`_mods.rules_as_mask`). Here on CPU, with the kernels'
     stand-in (`hopper_emulation`) and the platform checks answering as a Hopper GPU would: the
-    dispatch takes that path and the result equals `reference` (NaN past the lengths)."""
+    dispatch takes that path and the result equals `reference` (NaN past the lengths); with
+    dropout the kernels get the call's block state and draw the reference's mask."""
     from hopper_emulation import emulated_kernels
 
     from attnaux import _mods
@@ -276,6 +278,8 @@ def test_lengths_and_segment_ids_reach_the_kernels_in_the_mask_mod(monkeypatch):
     options = dict(causal="bottom_right", window=(50, 0), q_seqlens=q_len, kv_seqlens=kv_len,
                    q_segment_ids=ids, kv_segment_ids=ids,
                    score_mod=lambda s, b, h, i, j: s + SLOPES[h] * (j - i))
+    if dropout:
+        options.update(dropout_rate=dropout, key=jax.random.key(2))
     assert "folded into the mask_mod" in str(ax.explain(q, k, v, **options))
     with emulated_kernels():
         out, aux = jax.jit(lambda q, k, v: ax.attention(q, k, v, **options))(q, k, v)
@@ -316,6 +320,14 @@ MOD_CASES = {
         kv_segment_ids=DOCS[None].repeat(B, 0), q_seqlens=jnp.asarray([320, 199], jnp.int32),
         kv_seqlens=jnp.asarray([300, 320], jnp.int32),
         score_mod=lambda s, b, h, i, j: 8.0 * jnp.tanh(s / 8.0) + p["bias_k"][j]),
+    # dropout: the kernels draw attnaux's keep-mask, the reference's with the same key
+    "alibi_causal_dropout": lambda p: dict(
+        causal=True, dropout_rate=0.2, key=jax.random.key(4),
+        score_mod=lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)),
+    "segments_lengths_mask_dropout": lambda p: dict(
+        q_segment_ids=DOCS[None].repeat(B, 0), kv_segment_ids=DOCS[None].repeat(B, 0),
+        kv_seqlens=jnp.asarray([300, 320], jnp.int32), dropout_rate=0.3,
+        key=jax.random.key(6), mask_mod=lambda b, h, i, j: (i - j < 70)),
 }
 
 

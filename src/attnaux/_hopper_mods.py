@@ -36,6 +36,7 @@ from ._partition import (
     BATCH,
     HEADS,
     KV_HEADS,
+    block_state,
     folded,
     partitioned,
     table_layout,
@@ -375,8 +376,6 @@ def unavailable(problem) -> str | None:
     why = hopper.device_unavailable(arrays.q, arrays.k, arrays.v)
     if why is not None:
         return why
-    if options.dropout_rate > 0:
-        return "the Hopper kernels draw no dropout mask"
     if options.has_seqlens:
         return ("the Hopper kernels read no q_seqlens/kv_seqlens (`_mods.rules_as_mask` folds "
                 "them into the mask_mod first)")
@@ -394,6 +393,7 @@ class Static:
     geometry: hopper.Geometry
     config: hopper.Config
     tables: tuple | None  # ((shape, int32 bytes), ...) of range_tables, or None: hashable
+    dropout: float | None = None  # the rate; the kernels then take the 12-word block state
 
     def range_arrays(self):
         if self.tables is None:
@@ -438,7 +438,7 @@ def _names(st: Static):
     n_rows, n_cols = (0, 0) if st.split is None else (len(st.split.rows), len(st.split.cols))
     side = ("rows",) * bool(n_rows) + ("cols",) * bool(n_cols)
     forward = ("q", "k", "v", *side, "batch_ids", "head_ids",
-               *(_TABLES if st.tables is not None else ()))
+               *(_TABLES if st.tables is not None else ()), *(("rng_state",) * bool(st.dropout)))
     results = ("dq", "dk", "dv") + ("drows",) * bool(n_rows) + ("dcols",) * bool(n_cols)
     return forward, forward + ("out", "lse", "dout", "dlse"), results
 
@@ -453,7 +453,8 @@ def _kernel_args(st: Static, names, args):
                     tile_fn=tile_fn(st.split) if st.split is not None else None,
                     config=st.config,
                     tables=tuple(named[t] for t in _TABLES) if st.tables is not None else None,
-                    indices=(named["batch_ids"], named["head_ids"]))
+                    indices=(named["batch_ids"], named["head_ids"]), dropout=st.dropout,
+                    drop_state=named.get("rng_state"))
     return named, rows, cols, keywords
 
 
@@ -475,17 +476,21 @@ def _local_backward(st: Static, *args):
 def _ops(st: Static):
     """The forward and backward kernel calls of one static setting: each partitioned over
     batch and heads under SPMD (`_partition.partitioned`: a device runs its shard, no gather;
-    rows, cols, the ids and the block tables are sliced with it), and folded under `jax.vmap`."""
+    rows, cols, the ids and the block tables are sliced with it; with dropout the block state
+    gets the shard's origin), and folded under `jax.vmap` (mapped one element after another
+    with dropout, whose counters use the batch index)."""
     fwd_names, bwd_names, bwd_results = _names(st)
+    drop = ("rng_state", True) if st.dropout else None
     forward = partitioned(functools.partial(_local_forward, st), "attnaux score_mod (Hopper)",
-                          fwd_names, ("out", "lse", "max"), layout=_layout)
+                          fwd_names, ("out", "lse", "max"), layout=_layout, dropout=drop)
     backward = partitioned(functools.partial(_local_backward, st),
                            "attnaux score_mod backward (Hopper)", bwd_names, bwd_results,
-                           layout=_layout)
+                           layout=_layout, dropout=drop)
     tables_at = tuple(i for i, x in enumerate(bwd_names) if x in _TABLES)
     heads_at = (bwd_names.index("head_ids"),)
-    return (varying_like_operands(folded(forward, tables_at, heads_at)),
-            varying_like_operands(folded(backward, tables_at, heads_at)))
+    sequential = bool(st.dropout)
+    return (varying_like_operands(folded(forward, tables_at, heads_at, sequential)),
+            varying_like_operands(folded(backward, tables_at, heads_at, sequential)))
 
 
 def _side(st: Static, rp, cp):
@@ -495,29 +500,29 @@ def _side(st: Static, rp, cp):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_call(st: Static, q, k, v, rows, cols, ids, tabs):
-    return _fwd(st, q, k, v, rows, cols, ids, tabs)[0]
+def _kernel_call(st: Static, q, k, v, rows, cols, ids, tabs, rng):
+    return _fwd(st, q, k, v, rows, cols, ids, tabs, rng)[0]
 
 
-def _fwd(st, q, k, v, rows, cols, ids, tabs):
+def _fwd(st, q, k, v, rows, cols, ids, tabs, rng):
     q_seq = q.shape[1]
     qp, kp, vp = _pad(q, 1, 128), _pad(k, 1, 128), _pad(v, 1, 128)
     rp, cp = _pad(rows, 3, 128), _pad(cols, 3, 128)
-    out, lse, mx = _ops(st)[0](qp, kp, vp, *_side(st, rp, cp), *ids, *tabs)
+    out, lse, mx = _ops(st)[0](qp, kp, vp, *_side(st, rp, cp), *ids, *tabs, *rng)
     result = (out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq])
-    return result, ((qp, kp, vp, out, lse, rp, cp, ids, tabs), q_seq, k.shape[1])
+    return result, ((qp, kp, vp, out, lse, rp, cp, ids, tabs, rng), q_seq, k.shape[1])
 
 
 def _bwd(st, saved, cotangents):
-    (qp, kp, vp, out, lse, rp, cp, ids, tabs), q_seq, kv_seq = saved
+    (qp, kp, vp, out, lse, rp, cp, ids, tabs, rng), q_seq, kv_seq = saved
     dout, dlse, _ = cotangents  # the row max has no gradient
     dout = _pad(dout.astype(qp.dtype), 1, 128)
     dlse = _pad(dlse.astype(jnp.float32), 2, 128)
     grads = dict(zip(_names(st)[2], _ops(st)[1](qp, kp, vp, *_side(st, rp, cp), *ids, *tabs,
-                                                 out, lse, dout, dlse), strict=True))
+                                                 *rng, out, lse, dout, dlse), strict=True))
     drows, dcols = grads.get("drows", rp), grads.get("dcols", cp)  # absent: shape with 0
     return (grads["dq"][:, :q_seq], grads["dk"][:, :kv_seq], grads["dv"][:, :kv_seq],
-            drows[..., :q_seq], dcols[..., :kv_seq], None, None)
+            drows[..., :q_seq], dcols[..., :kv_seq], None, None, None)
 
 
 _kernel_call.defvjp(_fwd, _bwd)
@@ -554,13 +559,18 @@ def run(arrays, options, sp: Split | None, tables, tiles):
         group = q_heads // k.shape[2]
         packed = tuple((t.shape, np.ascontiguousarray(t, np.int32).tobytes()) for t in
                        range_tables(tiles, n_q64, n_k64, config.block_kv, group))
+    dropout = options.dropout_rate if options.dropout_rate > 0 else None
     st = Static(sp, options.softcap or None, options.scale,
-                geometry_of(options, q_seq, kv_seq), config, packed)
+                geometry_of(options, q_seq, kv_seq), config, packed, dropout)
+    # with dropout, the 12-word block state of the call (its unpadded sizes): attnaux's mask of
+    # the [B, Hq, Sq, Skv] problem, whatever the padding
+    rng = (block_state(arrays.rng_state, q, k),) if dropout else ()
     # inside `jax.shard_map`: rows and cols (from replicated captured arrays) vary like q, k, v,
     # so that the custom VJP gives each its cotangent's type
     q, k, v, rows, cols = unify_vma((q, k, v, rows, cols))
     ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
-    out, lse, row_max = _kernel_call(st, q, k, v, rows, cols, ids, st.range_arrays() or ())
+    out, lse, row_max = _kernel_call(st, q, k, v, rows, cols, ids, st.range_arrays() or (),
+                                     rng)
     if arrays.sink is not None:  # after the kernels, exactly; JAX differentiates it
         out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, row_max

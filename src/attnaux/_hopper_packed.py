@@ -36,7 +36,7 @@ from ._kernel_call import add_sink
 from ._masking import diagonal_shift
 from ._partition import (
     BATCH,
-    dropout_origin,
+    block_state,
     folded,
     partitioned,
     table_layout,
@@ -278,16 +278,6 @@ def _cleaned(q, k, v, q_info, kv_info):
     kv_keep = (kv_info[:, 1] >= 0)[:, :, None, None]
     return tuple(jnp.where(keep, x, jnp.zeros((), x.dtype))
                  for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
-
-
-def block_state(rng_state, q, k):
-    """The 12-word block state of a call (`docs/kernel_abi.md`) from its `rng_state`: a block
-    of a larger problem keeps its own (context parallelism); 4 words become the origin 0 and
-    the call's unpadded sizes, taken before the kernels' padding."""
-    if rng_state.shape[0] == 12:
-        return rng_state.astype(jnp.uint32)
-    zero = jnp.uint32(0)
-    return dropout_origin(rng_state, zero, zero, q.shape[2], q.shape[1], k.shape[1])
 
 
 def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state=None):

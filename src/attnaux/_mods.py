@@ -178,8 +178,7 @@ def choose_with_rules(problem, score_mod, mask_mod, backend, bias, mask, return_
     """`(choice, problem, mask_mod)` to run: `choose_mods`' choice, or on a Hopper GPU, for a
     call with lengths or segment ids, the choice for the call with those folded into the
     mask_mod (`rules_as_mask`) when that lets attnaux's Hopper kernels serve it."""
-    if (jax.default_backend() == "gpu" and backend in ("auto", "flash") and not return_probs
-            and not problem.has_dropout):
+    if jax.default_backend() == "gpu" and backend in ("auto", "flash") and not return_probs:
         rewritten = rules_as_mask(problem, mask_mod)
         if rewritten is not None:
             try:

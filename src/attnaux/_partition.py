@@ -331,6 +331,17 @@ def dropout_origin(rng: jax.Array, b0: jax.Array, h0: jax.Array, q_heads: int, q
     return jnp.concatenate([rng, words])
 
 
+def block_state(rng_state: jax.Array, q: jax.Array, k: jax.Array) -> jax.Array:
+    """The 12-word block state of a call (`docs/kernel_abi.md`) from its `rng_state`, for
+    kernels that always take one (attnaux's Hopper kernels): a block of a larger problem keeps
+    its own (context parallelism); 4 words get the origin 0 and the sizes of `q [B, Sq, Hq, D]`
+    and `k [B, Skv, Hkv, D]`, which must be the call's unpadded ones."""
+    if rng_state.shape[0] == 12:
+        return rng_state.astype(jnp.uint32)
+    zero = jnp.uint32(0)
+    return dropout_origin(rng_state, zero, zero, q.shape[2], q.shape[1], k.shape[1])
+
+
 # ------------------------------------------------------------------------------------------------
 # The einsum-like rule for Shardy
 # ------------------------------------------------------------------------------------------------
