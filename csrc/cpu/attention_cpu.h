@@ -19,6 +19,12 @@
 // gradient. Finite inputs never take that path. Scratch is linear in the sequence lengths; the
 // Sq x Skv score matrix never exists.
 //
+// bfloat16 inputs on a CPU with AVX512_BF16 (ATTNAUX_BF16_PAIRS) also get packs of pair words, and
+// every product runs on VDPBF16PS (cpu_gemm.h, PairGemmLanes) at about twice the float32 rate: Q,
+// K, V and dO as given, P and dS rounded to bfloat16 as operands (as FlashAttention does on
+// GPUs), float32 accumulation and statistics. Tiles of blocks flagged non-finite keep the float32
+// path above (and its NaN handling); so does every other build and dtype.
+//
 // Tile sizes and scratch: attention_tile.h. What a tile sees (band, mask, segments, dropout) and
 // its scores: attention_mask.h. Packing, forward and backward drivers: here.
 #ifndef ATTNAUX_CSRC_CPU_ATTENTION_CPU_H_
@@ -43,18 +49,34 @@ namespace attnaux::cpu {
 // Packed float32 K and V of one (batch, kv head); keys at or beyond kv_seqlens are zero.
 //   kt: [nkb][D][BK]   (K^T per key block)      v_rows: [nkb*BK][Dv]
 //   k_rows: [nkb*BK][D] and vt: [nkb][Dv][BK]   (backward only)
+//   with bfloat16 inputs and kHasBf16Pairs, PairGemmLanes' operands, 32-bit words of two bfloat16
+//   (D2, Dv2 = ceil(D/2), ceil(Dv/2); an odd dim's partner is 0):
+//     kt_pairs: [nkb][D2][BK]   (K^T, head dims 2x, 2x + 1 paired)
+//     v_pairs: [nkb][BK/2][Dv]   (V rows, keys 2y, 2y + 1 paired; forward only)
+//     vt_pairs: [nkb][Dv2][BK] and k_pairs: [nkb][BK/2][D]   (likewise; backward only)
 //   nonfinite: [nkb]   1 where a key or value row of the block holds NaN or inf, else 0
 struct KvPackLayout {
   int64_t num_blocks, d, dv;
-  bool backward;
+  bool backward, pairs;
   KvPackLayout(const AttentionParams& p, bool bwd)
-      : num_blocks(CeilDiv(p.kv_len, kBlockK)), d(p.head_dim), dv(p.v_dim), backward(bwd) {}
+      : num_blocks(CeilDiv(p.kv_len, kBlockK)),
+        d(p.head_dim),
+        dv(p.v_dim),
+        backward(bwd),
+        pairs(kHasBf16Pairs && p.elem == Elem::kBF16) {}
   int64_t keys() const { return num_blocks * kBlockK; }
+  int64_t d2() const { return (d + 1) / 2; }
+  int64_t dv2() const { return (dv + 1) / 2; }
   int64_t kt_size() const { return keys() * d; }
   int64_t v_size() const { return keys() * dv; }
-  int64_t size() const {
-    return (backward ? 2 * (kt_size() + v_size()) : kt_size() + v_size()) + num_blocks;
+  int64_t floats_size() const {
+    return backward ? 2 * (kt_size() + v_size()) : kt_size() + v_size();
   }
+  int64_t pairs_size() const {
+    if (!pairs) return 0;
+    return keys() * d2() + (backward ? keys() * dv2() + keys() / 2 * d : keys() / 2 * dv);
+  }
+  int64_t size() const { return floats_size() + pairs_size() + num_blocks; }
 };
 
 struct KvPack {
@@ -62,6 +84,10 @@ struct KvPack {
   const float* v_rows;
   const float* k_rows;
   const float* vt;
+  const uint32_t* kt_pairs;  // null unless layout.pairs
+  const uint32_t* v_pairs;
+  const uint32_t* vt_pairs;
+  const uint32_t* k_pairs;
   const float* nonfinite;
 };
 
@@ -71,9 +97,63 @@ inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
   pack.v_rows = base + layout.kt_size();
   pack.k_rows = layout.backward ? base + layout.kt_size() + layout.v_size() : nullptr;
   pack.vt = layout.backward ? base + 2 * layout.kt_size() + layout.v_size() : nullptr;
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(base + layout.floats_size());
+  const uint32_t* after_kt = pairs + layout.keys() * layout.d2();
+  const bool fwd = layout.pairs && !layout.backward, bwd = layout.pairs && layout.backward;
+  pack.kt_pairs = layout.pairs ? pairs : nullptr;
+  pack.v_pairs = fwd ? after_kt : nullptr;
+  pack.vt_pairs = bwd ? after_kt : nullptr;
+  pack.k_pairs = bwd ? after_kt + layout.keys() * layout.dv2() : nullptr;
   pack.nonfinite = base + layout.size() - layout.num_blocks;
   return pack;
 }
+
+// The word of two bfloat16-exact floats (as widened from bfloat16, or 0): lo in the low half.
+inline uint32_t PairWord(float lo, float hi) {
+  return (FloatToBits(lo) >> 16) | (FloatToBits(hi) & 0xffff0000u);
+}
+
+// n rows of `width` bfloat16-exact floats (leading dimension ld) -> pair words of their
+// transpose, columns 2x, 2x + 1 paired: out[x2 * n + r] (kt_pairs' layout).
+inline void PackColumnPairs(const float* rows, int64_t ld, int64_t n, int64_t width,
+                            uint32_t* out) {
+  for (int64_t x2 = 0; x2 < (width + 1) / 2; ++x2) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = rows + r * ld;
+      out[x2 * n + r] = PairWord(row[2 * x2], 2 * x2 + 1 < width ? row[2 * x2 + 1] : 0.0f);
+    }
+  }
+}
+
+// n (even) rows of `width` bfloat16-exact floats (leading dimension ld) -> rows 2y, 2y + 1
+// paired: out[y * width + x] (v_pairs' layout).
+inline void PackRowPairs(const float* rows, int64_t ld, int64_t n, int64_t width, uint32_t* out) {
+  for (int64_t y = 0; y < n / 2; ++y) {
+    for (int64_t x = 0; x < width; ++x) {
+      out[y * width + x] = PairWord(rows[2 * y * ld + x], rows[(2 * y + 1) * ld + x]);
+    }
+  }
+}
+
+#if defined(ATTNAUX_BF16_PAIRS)
+// A tile's P^T or dS^T (rows: keys [j0, j1) of block jb, lanes: queries) rounded to bfloat16, in
+// pair words of the block's keys 2y, 2y + 1 for y in [*y0, *y1): the pairing of v_pairs and
+// k_pairs, so that those are read where they were packed. A partner outside [j0, j1) is 0.
+inline void KeyPairsOfTile(const float* rows, int64_t jb, int64_t j0, int64_t j1, uint32_t* out,
+                           int64_t* y0, int64_t* y1) {
+  const int64_t jbase = jb * kBlockK, nk = j1 - j0;
+  *y0 = (j0 - jbase) / 2;
+  *y1 = (j1 - jbase + 1) / 2;
+  for (int64_t y = *y0; y < *y1; ++y) {
+    const int64_t r = jbase + 2 * y - j0;  // row of key jbase + 2y (-1: none)
+    for (int v = 0; v < kQVectors; ++v) {
+      const VecF lo = r >= 0 ? Load(rows + r * kBlockQ + v * kLanes) : VecF{};
+      const VecF hi = r + 1 < nk ? Load(rows + (r + 1) * kBlockQ + v * kLanes) : VecF{};
+      StorePairsBf16(out + (y - *y0) * kBlockQ + v * kLanes, lo, hi);
+    }
+  }
+}
+#endif
 
 // rows [kBlockK][width] (leading dimension ld) -> cols [width][kBlockK]: 16 x 16 blocks in
 // registers, then 16 columns at a time (both sides in L1) for what is left.
@@ -151,6 +231,21 @@ inline void PackKvBlock(const AttentionParams& p, int64_t b, int64_t jb,
       float* vt = base + 2 * layout.kt_size() + layout.v_size();
       TransposeKeys(vstage + hkv * kBlockK * dv, dv, dv, vt + jb * dv * kBlockK);
     }
+    if (layout.pairs) {
+      // the float32 pack above stays: tiles of blocks flagged non-finite run on it
+      const KvPack pack = KvPackAt(layout, base);
+      auto words = [](const uint32_t* at) { return const_cast<uint32_t*>(at); };
+      const float* k_rows = kstage + hkv * kBlockK * d;
+      PackColumnPairs(k_rows, d, kBlockK, d, words(pack.kt_pairs) + jb * layout.d2() * kBlockK);
+      if (layout.backward) {
+        PackColumnPairs(vstage + hkv * kBlockK * dv, dv, kBlockK, dv,
+                        words(pack.vt_pairs) + jb * layout.dv2() * kBlockK);
+        PackRowPairs(k_rows, d, kBlockK, d, words(pack.k_pairs) + jb * (kBlockK / 2) * d);
+      } else {
+        PackRowPairs(pack.v_rows + j0 * dv, dv, kBlockK, dv,
+                     words(pack.v_pairs) + jb * (kBlockK / 2) * dv);
+      }
+    }
   }
 }
 
@@ -206,6 +301,7 @@ inline const float* CleanRows(const float* rows, int64_t ld, int64_t n, int64_t 
 struct ForwardRows {
   int64_t i0 = 0, rows_in_block = 0, valid = 0;
   float* qt = nullptr;  // [D][BQ], zero beyond the valid rows
+  uint32_t* qt_pairs = nullptr;  // [D2][BQ] pair words of Q^T (KvPackLayout::pairs), or null
   float* ot = nullptr;  // [Dv][BQ]
   VecF m[kQVectors], l[kQVectors];
 };
@@ -224,6 +320,7 @@ inline void ForwardRowsBegin(const AttentionParams& p, const HeadView& hv, int64
   }
   static_assert(kBlockQ == kBlockK, "TransposeKeys transposes kBlockK rows");
   TransposeKeys(rows.data(), d, d, st.qt);
+  if (st.qt_pairs != nullptr) PackColumnPairs(rows.data(), d, kBlockQ, d, st.qt_pairs);
   std::fill(st.ot, st.ot + dv * kBlockQ, 0.0f);
   for (int v = 0; v < kQVectors; ++v) {
     st.m[v] = Splat(-kInf);
@@ -242,9 +339,14 @@ inline void ForwardRowsTile(const AttentionParams& p, const KvPack& kv, const He
   TileKeys(hv, i0, valid, jb, &j0, &j1);
   if (j0 >= j1) return;
   const int64_t nk = j1 - j0;
+  // bfloat16 products unless the block holds NaN or inf (those take the float32 path, which
+  // keeps them out of rows and keys that do not see them)
+  const bool pairs = kv.kt_pairs != nullptr && kv.nonfinite[jb] == 0.0f;
   VecF fused_max[kQVectors];
-  const bool have_max = ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, rs.qt, st,
-                                  nullptr, nullptr, &scratch.program_regs, fused_max);
+  const bool have_max =
+      ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, rs.qt, st, nullptr, nullptr,
+                &scratch.program_regs, fused_max,
+                pairs ? kv.kt_pairs + jb * kBlockK * ((d + 1) / 2) : nullptr, rs.qt_pairs);
   const float* v_tile = kv.v_rows + j0 * dv;
   if (kv.nonfinite[jb] != 0.0f) {
     const HiddenInTile hidden(st, nk, valid);
@@ -284,6 +386,18 @@ inline void ForwardRowsTile(const AttentionParams& p, const KvPack& kv, const He
   // O^T = O^T * alpha + V^T P^T (the rescale as the product loads O^T)
   GemmFuse fuse;
   fuse.c_scale = alpha;
+#if defined(ATTNAUX_BF16_PAIRS)
+  if (pairs) {
+    // P rounded to bfloat16, as flash attention on GPUs does (its partner outside [j0, j1) has
+    // P = 0, and a finite V row: the block is)
+    uint32_t* pt = reinterpret_cast<uint32_t*>(scratch.probs.get());
+    int64_t y0, y1;
+    KeyPairsOfTile(st, jb, j0, j1, pt, &y0, &y1);
+    PairGemmLanes<1>(dv, y1 - y0, kv.v_pairs + (jb * kBlockK / 2 + y0) * dv, dv, pt, kBlockQ,
+                     kQVectors, rs.ot, kBlockQ, true, &fuse);
+    return;
+  }
+#endif
   GemmLanes<1>(dv, nk, v_tile, dv, st, kBlockQ, kQVectors, rs.ot, kBlockQ, true, &fuse);
 }
 
@@ -334,7 +448,8 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
 // [D][BQ] / [Dv][BQ] of scratch.
 inline void ForwardBlocks(const AttentionParams& p, const KvPack& kv, int64_t b, int64_t h,
                           int64_t ib0, int64_t nblocks, const ForwardOutputs& outputs,
-                          TileScratch& scratch, float* qt_all, float* ot_all) {
+                          TileScratch& scratch, float* qt_all, float* ot_all,
+                          uint32_t* qt_pairs_all = nullptr) {
   constexpr int64_t kMaxGroup = 8;
   const HeadView hv(p, b, h);
   ForwardRows rows[kMaxGroup];
@@ -342,6 +457,9 @@ inline void ForwardBlocks(const AttentionParams& p, const KvPack& kv, int64_t b,
   for (int64_t g = 0; g < nblocks; ++g) {
     rows[g].qt = qt_all + g * p.head_dim * kBlockQ;
     rows[g].ot = ot_all + g * p.v_dim * kBlockQ;
+    if (qt_pairs_all != nullptr) {
+      rows[g].qt_pairs = qt_pairs_all + g * ((p.head_dim + 1) / 2) * kBlockQ;
+    }
     ForwardRowsBegin(p, hv, b, h, ib0 + g, rows[g]);
   }
   const int64_t num_kv_blocks = CeilDiv(p.kv_len, kBlockK);
@@ -397,8 +515,10 @@ inline void FlashForward(const AttentionParams& params, const ForwardOutputs& ou
       const int64_t n = std::min(group, num_q_blocks - ib);
       TileScratch scratch;
       FloatBuffer qt(n * p.head_dim * kBlockQ), ot(n * p.v_dim * kBlockQ);
+      FloatBuffer qt_pairs(layout.pairs ? n * layout.d2() * kBlockQ : 0);
       const KvPack kv = KvPackAt(layout, packed.get() + (bl * p.kv_heads + hkv) * layout.size());
-      ForwardBlocks(p, kv, b0 + bl, h, ib, n, outputs, scratch, qt.get(), ot.get());
+      ForwardBlocks(p, kv, b0 + bl, h, ib, n, outputs, scratch, qt.get(), ot.get(),
+                    layout.pairs ? reinterpret_cast<uint32_t*>(qt_pairs.get()) : nullptr);
     });
   }
 }
@@ -412,16 +532,25 @@ inline void FlashForward(const AttentionParams& params, const ForwardOutputs& ou
 //   qt: [nqb][D][BQ]  q_rows: [nqb*BQ][Dp]  dot: [nqb][Dv][BQ]  do_rows: [nqb*BQ][Dvp]
 //   lse_eff, dt: [nqb*BQ]   (Dp, Dvp: head dims rounded up to whole vectors)
 //   nonfinite: [nqb]   1 where a query row of the block holds NaN or inf, else 0
+//   with KvPackLayout::pairs, the pair words of (D2, Dv2 = ceil(D/2), ceil(Dv/2))
+//     qt_pairs: [nqb][D2][BQ]  dot_pairs: [nqb][Dv2][BQ]   (head dims 2x, 2x + 1 paired)
+//     q_pairs: [nqb*BQ/2][Dp]  do_pairs: [nqb*BQ/2][Dvp]   (rows 2y, 2y + 1 paired)
 struct QPackLayout {
   int64_t num_blocks, d, dv, dp, dvp;
+  bool pairs;
   explicit QPackLayout(const AttentionParams& p)
       : num_blocks(CeilDiv(p.q_len, kBlockQ)),
         d(p.head_dim),
         dv(p.v_dim),
         dp(RoundUpLanes(p.head_dim)),
-        dvp(RoundUpLanes(p.v_dim)) {}
+        dvp(RoundUpLanes(p.v_dim)),
+        pairs(kHasBf16Pairs && p.elem == Elem::kBF16) {}
   int64_t rows() const { return num_blocks * kBlockQ; }
-  int64_t size() const { return rows() * (d + dp + dv + dvp + 2) + num_blocks; }
+  int64_t floats_size() const { return rows() * (d + dp + dv + dvp + 2) + num_blocks; }
+  int64_t pairs_size() const {
+    return pairs ? rows() * ((d + 1) / 2 + (dv + 1) / 2) + rows() / 2 * (dp + dvp) : 0;
+  }
+  int64_t size() const { return floats_size() + pairs_size(); }
 };
 
 struct QPack {
@@ -432,6 +561,10 @@ struct QPack {
   float* lse_eff;
   float* dt;
   float* nonfinite;
+  uint32_t* qt_pairs;  // null unless layout.pairs
+  uint32_t* dot_pairs;
+  uint32_t* q_pairs;
+  uint32_t* do_pairs;
 };
 
 inline QPack QPackAt(const QPackLayout& layout, float* base) {
@@ -444,22 +577,44 @@ inline QPack QPackAt(const QPackLayout& layout, float* base) {
   pack.lse_eff = pack.do_rows + n * layout.dvp;
   pack.dt = pack.lse_eff + n;
   pack.nonfinite = pack.dt + n;
+  pack.qt_pairs = pack.dot_pairs = pack.q_pairs = pack.do_pairs = nullptr;
+  if (layout.pairs) {
+    pack.qt_pairs = reinterpret_cast<uint32_t*>(base + layout.floats_size());
+    pack.dot_pairs = pack.qt_pairs + n * ((layout.d + 1) / 2);
+    pack.q_pairs = pack.dot_pairs + n * ((layout.dv + 1) / 2);
+    pack.do_pairs = pack.q_pairs + n / 2 * layout.dp;
+  }
   return pack;
+}
+
+// Rows PackQ asks for ahead of its loads, and the request: every cache line of [p, p + n).
+inline constexpr int64_t kPackAhead = 4;
+inline void PrefetchBytes(const char* p, int64_t n) {
+  for (int64_t x = 0; x < n; x += 64) __builtin_prefetch(p + x);
 }
 
 inline void PackQ(const AttentionParams& p, const BackwardInputs& in, int64_t b, int64_t h,
                   const QPackLayout& layout, float* base) {
   const int64_t d = p.head_dim, dv = p.v_dim;
   const QPack pack = QPackAt(layout, base);
-  std::fill(base, base + layout.size(), 0.0f);
+  std::fill(base, base + layout.floats_size(), 0.0f);  // (the pair words are all written below)
   const int64_t ql = RowRanges(p, b).ql;
   std::vector<float> q_row(d), do_row(dv), out_row(dv);
+  const int64_t elem_bytes = p.elem == Elem::kF32 ? 4 : 2;
   for (int64_t i = 0; i < layout.rows(); ++i) {
     if (i >= ql) {
       pack.lse_eff[i] = kInf;
       continue;
     }
     const int64_t token = (b * p.q_len + i) * p.q_heads + h;
+    if (i + kPackAhead < ql) {
+      // one head's rows are H * D apart, a new page every few rows: the loads below waited on
+      // memory (half of PackQ's time) until the rows a few tokens on were asked for early
+      const int64_t ahead = token + kPackAhead * p.q_heads;
+      PrefetchBytes(static_cast<const char*>(p.q) + ahead * d * elem_bytes, d * elem_bytes);
+      PrefetchBytes(static_cast<const char*>(in.dout) + ahead * dv * elem_bytes, dv * elem_bytes);
+      PrefetchBytes(static_cast<const char*>(in.out) + ahead * dv * elem_bytes, dv * elem_bytes);
+    }
     LoadRow(p.elem, p.q, token * d, d, q_row.data());
     LoadRow(p.elem, in.dout, token * dv, dv, do_row.data());
     LoadRow(p.elem, in.out, token * dv, dv, out_row.data());
@@ -475,6 +630,28 @@ inline void PackQ(const AttentionParams& p, const BackwardInputs& in, int64_t b,
     pack.dt[i] = dot - in.dlse[stat];
     const float lse = in.lse[stat];
     pack.lse_eff[i] = lse == -kInf ? kInf : lse;
+  }
+  if (layout.pairs) {
+    const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
+    for (int64_t ib = 0; ib < layout.num_blocks; ++ib) {
+      // pairs of neighbouring head dims from the transposed [D][BQ] blocks' rows
+      for (int64_t x2 = 0; x2 < d2; ++x2) {
+        const float* lo = pack.qt + (ib * d + 2 * x2) * kBlockQ;
+        for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+          pack.qt_pairs[(ib * d2 + x2) * kBlockQ + lane] =
+              PairWord(lo[lane], 2 * x2 + 1 < d ? lo[kBlockQ + lane] : 0.0f);
+        }
+      }
+      for (int64_t x2 = 0; x2 < dv2; ++x2) {
+        const float* lo = pack.dot + (ib * dv + 2 * x2) * kBlockQ;
+        for (int64_t lane = 0; lane < kBlockQ; ++lane) {
+          pack.dot_pairs[(ib * dv2 + x2) * kBlockQ + lane] =
+              PairWord(lo[lane], 2 * x2 + 1 < dv ? lo[kBlockQ + lane] : 0.0f);
+        }
+      }
+    }
+    PackRowPairs(pack.q_rows, layout.dp, layout.rows(), layout.dp, pack.q_pairs);
+    PackRowPairs(pack.do_rows, layout.dvp, layout.rows(), layout.dvp, pack.do_pairs);
   }
 }
 
@@ -508,11 +685,26 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
     scratch.raw.resize(kBlockK * kBlockQ);
     raw = scratch.raw.data();
   }
-  ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th,
-            raw, &scratch.program_regs);
-  // Non-finite packed rows: which keys and rows the tile hides (their products are cleaned below).
   const bool check_hidden = kv.nonfinite[jb] != 0.0f || qs.nonfinite[ib] != 0.0f;
+  // bfloat16 products (P and dS rounded to bfloat16 as operands, as flash attention on GPUs
+  // does), unless the tile holds NaN or inf: those take the float32 path, which keeps them out of
+  // the rows and keys that do not see them.
+  const bool pairs = kv.kt_pairs != nullptr && !check_hidden;
+  [[maybe_unused]] const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
+  ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th,
+            raw, &scratch.program_regs, nullptr,
+            pairs ? kv.kt_pairs + jb * kBlockK * d2 : nullptr,
+            pairs ? qs.qt_pairs + ib * d2 * kBlockQ : nullptr);
+  // Non-finite packed rows: which keys and rows the tile hides (their products are cleaned below).
   const HiddenInTile hidden = check_hidden ? HiddenInTile(st, nk, valid) : HiddenInTile();
+#if defined(ATTNAUX_BF16_PAIRS)
+  // the tile's rows of P or dS in bfloat16, lanes in order: query pairs for dV and dK
+  uint32_t* lane_pairs = reinterpret_cast<uint32_t*>(scratch.words.get());
+  auto round_lanes = [&](const float* x) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(lane_pairs);
+    for (int64_t e = 0; e < n; e += kLanes) StoreBf16(dst + e, Load(x + e));
+  };
+#endif
   for (int64_t r = 0; r < nk; ++r) {
     for (int v = 0; v < kQVectors; ++v) {
       const int64_t x = r * kBlockQ + v * kLanes;
@@ -521,8 +713,16 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
   }
   if (hv.dropout()) DropoutTile(hv, i0, valid, j0, j1, drop);
   // dP^T = V dO^T
-  GemmLanes<1>(nk, dv, kv.vt + jb * kBlockK * dv + key_offset, kBlockK, qs.dot + ib * dv * kBlockQ,
-               kBlockQ, kQVectors, ds, kBlockQ, false);
+#if defined(ATTNAUX_BF16_PAIRS)
+  if (pairs) {
+    PairGemmLanes<1>(nk, dv2, kv.vt_pairs + jb * kBlockK * dv2 + key_offset, kBlockK,
+                     qs.dot_pairs + ib * dv2 * kBlockQ, kBlockQ, kQVectors, ds, kBlockQ, false);
+  } else
+#endif
+  {
+    GemmLanes<1>(nk, dv, kv.vt + jb * kBlockK * dv + key_offset, kBlockK,
+                 qs.dot + ib * dv * kBlockQ, kBlockQ, kQVectors, ds, kBlockQ, false);
+  }
   if (dv_block != nullptr) {
     // dV += (P * drop) dO; st is free now and holds P * drop.
     const float* pd = pr;
@@ -530,8 +730,18 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
       for (int64_t x = 0; x < n; x += kLanes) Store(st + x, Load(pr + x) * Load(drop + x));
       pd = st;
     }
-    GemmLanes<kBlockQ>(nk, kBlockQ, pd, 1, qs.do_rows + i0 * ql.dvp, ql.dvp, ql.dvp / kLanes,
-                       dv_block + key_offset * ql.dvp, ql.dvp, true);
+#if defined(ATTNAUX_BF16_PAIRS)
+    if (pairs) {
+      round_lanes(pd);
+      PairGemmLanes<kBlockQ / 2>(nk, kBlockQ / 2, lane_pairs, 1, qs.do_pairs + i0 / 2 * ql.dvp,
+                                 ql.dvp, ql.dvp / kLanes, dv_block + key_offset * ql.dvp, ql.dvp,
+                                 true);
+    } else
+#endif
+    {
+      GemmLanes<kBlockQ>(nk, kBlockQ, pd, 1, qs.do_rows + i0 * ql.dvp, ql.dvp, ql.dvp / kLanes,
+                         dv_block + key_offset * ql.dvp, ql.dvp, true);
+    }
   }
   // dS = P * (dP * drop - Dt)
   for (int64_t r = 0; r < nk; ++r) {
@@ -567,6 +777,25 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
       Store(ds + x, Load(ds + x) * (1.0f - t * t));
     }
   }
+#if defined(ATTNAUX_BF16_PAIRS)
+  if (pairs) {
+    if (dk_block != nullptr) {
+      round_lanes(ds);
+      PairGemmLanes<kBlockQ / 2>(nk, kBlockQ / 2, lane_pairs, 1, qs.q_pairs + i0 / 2 * ql.dp,
+                                 ql.dp, ql.dp / kLanes, dk_block + key_offset * ql.dp, ql.dp,
+                                 true);
+    }
+    if (dqt != nullptr) {
+      // (a partner outside [j0, j1) has dS = 0 and a finite K row)
+      uint32_t* key_pairs = lane_pairs + kBlockK * kBlockQ / 2;
+      int64_t y0, y1;
+      KeyPairsOfTile(ds, jb, j0, j1, key_pairs, &y0, &y1);
+      PairGemmLanes<1>(d, y1 - y0, kv.k_pairs + (jb * kBlockK / 2 + y0) * d, d, key_pairs,
+                       kBlockQ, kQVectors, dqt, kBlockQ, true);
+    }
+    return;
+  }
+#endif
   if (dk_block != nullptr) {
     const float* q_tile = qs.q_rows + i0 * ql.dp;
     if (hidden.any_row) {

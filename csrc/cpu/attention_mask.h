@@ -216,10 +216,14 @@ inline bool OneSegment(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0
 // `tile_max` (when not null): if the product's scaled scores are the final ones (no softcap,
 // program, bias or mask on this tile), their maximum over the keys per vector of lanes, found by
 // the product as it stores them; the return value says whether it was.
+// `kt_pairs` / `qt_pairs` (when not null; kHasBf16Pairs): the bfloat16 pair words of the key block
+// ([ceil(D/2)][BK]) and of the query block ([ceil(D/2)][BQ]), for a product on PairGemmLanes
+// instead of the float32 one (then kt_block and qt are not read).
 inline bool ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
                       const float* kt_block, const float* qt, float* st, float* tanh_out,
                       float* raw = nullptr, std::vector<float>* program_regs = nullptr,
-                      VecF* tile_max = nullptr) {
+                      VecF* tile_max = nullptr, const uint32_t* kt_pairs = nullptr,
+                      const uint32_t* qt_pairs = nullptr) {
   const AttentionParams& p = hv.p;
   const int64_t nk = j1 - j0;
   const int64_t jb_start = (j0 / kBlockK) * kBlockK;
@@ -237,8 +241,16 @@ inline bool ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
     for (int v = 0; v < kQVectors; ++v) tile_max[v] = Splat(-kInf);
     fuse.row_max = tile_max;
   }
-  GemmLanes<1>(nk, p.head_dim, kt_block + (j0 - jb_start), kBlockK, qt, kBlockQ, kQVectors, st,
-               kBlockQ, false, &fuse);
+#if defined(ATTNAUX_BF16_PAIRS)
+  if (kt_pairs != nullptr) {
+    PairGemmLanes<1>(nk, (p.head_dim + 1) / 2, kt_pairs + (j0 - jb_start), kBlockK, qt_pairs,
+                     kBlockQ, kQVectors, st, kBlockQ, false, &fuse);
+  } else
+#endif
+  {
+    GemmLanes<1>(nk, p.head_dim, kt_block + (j0 - jb_start), kBlockK, qt, kBlockQ, kQVectors, st,
+                 kBlockQ, false, &fuse);
+  }
   if (p.softcap > 0.0f) {
     const VecF cap = Splat(p.softcap), inv_cap = Splat(1.0f / p.softcap);
     for (int64_t x = 0; x < nk * kBlockQ; x += kLanes) {

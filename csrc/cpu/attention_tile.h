@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/attention_params.h"
+#include "cpu/cpu_gemm.h"
 #include "cpu/cpu_simd.h"
 
 namespace attnaux::cpu {
@@ -201,18 +202,20 @@ inline bool AllFinite(const float* x, int64_t n) {
   return ok;
 }
 
-// Work space of one tile (kBlockK x kBlockQ each), and, sized on first use, `clean`: copies of
-// packed rows with the rows a tile hides zeroed (attention_cpu.h, HiddenInTile); with a score
-// program (score_program.h) its registers, their adjoints and the scores it read (`raw`).
+// Work space of one tile (kBlockK x kBlockQ each; `words`: bfloat16 operands of the backward's
+// pair products, attention_cpu.h), and, sized on first use, `clean`: copies of packed rows with
+// the rows a tile hides zeroed (attention_cpu.h, HiddenInTile); with a score program
+// (score_program.h) its registers, their adjoints and the scores it read (`raw`).
 struct TileScratch {
-  FloatBuffer scores, tanh, probs, dprobs, drop;
+  FloatBuffer scores, tanh, probs, dprobs, drop, words;
   std::vector<float> clean, program_regs, program_adj, raw;
   TileScratch()
       : scores(kBlockK * kBlockQ),
         tanh(kBlockK * kBlockQ),
         probs(kBlockK * kBlockQ),
         dprobs(kBlockK * kBlockQ),
-        drop(kBlockK * kBlockQ) {}
+        drop(kBlockK * kBlockQ),
+        words(kHasBf16Pairs ? kBlockK * kBlockQ : 0) {}
 };
 
 }  // namespace attnaux::cpu

@@ -160,6 +160,164 @@ inline void GemmLanes(int64_t rows, int64_t depth, const float* a, int64_t k_ste
   }
 }
 
+// The bfloat16 pair products below need VDPBF16PS and its conversions (AVX512_BF16) and vpermw
+// (AVX512BW); every CPU with the former has the latter.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define ATTNAUX_BF16_PAIRS 1
+#endif
+
+#if defined(ATTNAUX_BF16_PAIRS)
+// bfloat16 products on VDPBF16PS: the same shape with the reduction dimension taken in pairs.
+// A(i, k) and row k of B are 32-bit words holding the bfloat16 pair of reduction indices 2k and
+// 2k + 1 (the lower index in the low half), and lane l of C gains A(i, k).lo * B[k, l].lo +
+// A(i, k).hi * B[k, l].hi in float32 (exact products; the instruction flushes subnormals). One
+// instruction does 32 multiply-adds where an FMA does 16, so a product costs about half of its
+// float32 form. `depth` counts pairs.
+inline constexpr bool kHasBf16Pairs = true;
+
+template <int R, int NV, int kRowStep, bool kFuse>
+inline __attribute__((always_inline)) void PairMicroKernel(int64_t depth,
+                                                           const uint32_t* __restrict a,
+                                                           int64_t k_step,
+                                                           const uint32_t* __restrict b,
+                                                           int64_t ldb, float* __restrict c,
+                                                           int64_t ldc, bool accumulate,
+                                                           const GemmFuse& fuse) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) {
+      VecF x = accumulate ? Load(c + r * ldc + v * kLanes) : VecF{};
+      if (kFuse && accumulate && fuse.c_scale != nullptr) x *= fuse.c_scale[v];
+      acc[r][v] = (__m512)x;
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    __m512bh bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * kRowStep]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, bv[v]);
+    }
+    a += k_step;
+    b += ldb;
+  }
+  VecF out[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) out[r][v] = (VecF)acc[r][v];
+  }
+  if (kFuse && fuse.scale_out) {
+    const VecF scale = Splat(fuse.out_scale);
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < NV; ++v) out[r][v] *= scale;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) Store(c + r * ldc + v * kLanes, out[r][v]);
+  }
+  if (kFuse && fuse.row_max != nullptr) {
+    for (int v = 0; v < NV; ++v) {
+      VecF mx = fuse.row_max[v];
+      for (int r = 0; r < R; ++r) mx = Max(mx, out[r][v]);
+      fuse.row_max[v] = mx;
+    }
+  }
+}
+
+template <int R, int NV, int kRowStep, bool kFuse>
+inline void PairMicroKernelTail(int64_t rows, int64_t depth, const uint32_t* a, int64_t k_step,
+                                const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                                bool accumulate, const GemmFuse& fuse) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      PairMicroKernelTail<R - 1, NV, kRowStep, kFuse>(rows, depth, a, k_step, b, ldb, c, ldc,
+                                                      accumulate, fuse);
+      return;
+    }
+  }
+  PairMicroKernel<R, NV, kRowStep, kFuse>(depth, a, k_step, b, ldb, c, ldc, accumulate, fuse);
+}
+
+template <int NV, int kRowStep, bool kFuse>
+__attribute__((noinline)) void PairGemmPanel(int64_t rows, int64_t depth, const uint32_t* a,
+                                             int64_t k_step, const uint32_t* b, int64_t ldb,
+                                             float* c, int64_t ldc, bool accumulate,
+                                             GemmFuse fuse) {
+  constexpr int R = kBlockRows<NV>;
+  int64_t i = 0;
+  for (; i + R <= rows; i += R) {
+    PairMicroKernel<R, NV, kRowStep, kFuse>(depth, a + i * kRowStep, k_step, b, ldb, c + i * ldc,
+                                            ldc, accumulate, fuse);
+  }
+  if (i < rows) {
+    PairMicroKernelTail<R - 1, NV, kRowStep, kFuse>(rows - i, depth, a + i * kRowStep, k_step, b,
+                                                    ldb, c + i * ldc, ldc, accumulate, fuse);
+  }
+}
+
+// C[i, 0:width*kLanes] (+)= sum_{k < depth} A(i, k) . B[k, 0:width*kLanes] for i < rows, A(i, k)
+// = a[i * kRowStep + k * k_step], ldb in words: GemmLanes with pair words. The summation order
+// over k is fixed, as in GemmLanes.
+template <int kRowStep>
+inline void PairGemmLanes(int64_t rows, int64_t depth, const uint32_t* a, int64_t k_step,
+                          const uint32_t* b, int64_t ldb, int64_t width, float* c, int64_t ldc,
+                          bool accumulate, const GemmFuse* fuse = nullptr) {
+  for (int64_t v0 = 0; v0 < width; v0 += kMaxBlockVectors) {
+    const int64_t nv = std::min<int64_t>(kMaxBlockVectors, width - v0);
+    const uint32_t* bp = b + v0 * kLanes;
+    float* cp = c + v0 * kLanes;
+    GemmFuse f;
+    if (fuse != nullptr) {
+      f = *fuse;
+      if (f.c_scale != nullptr) f.c_scale += v0;
+      if (f.row_max != nullptr) f.row_max += v0;
+    }
+// (as in GemmLanes, fused products only with kRowStep 1)
+#define ATTNAUX_PAIR_PANEL(NV)                                                                 \
+  if constexpr (kRowStep == 1) {                                                               \
+    if (fuse != nullptr) {                                                                     \
+      PairGemmPanel<NV, kRowStep, true>(rows, depth, a, k_step, bp, ldb, cp, ldc, accumulate, f); \
+      break;                                                                                   \
+    }                                                                                          \
+  }                                                                                            \
+  PairGemmPanel<NV, kRowStep, false>(rows, depth, a, k_step, bp, ldb, cp, ldc, accumulate, f);
+    switch (nv) {
+      case 4:
+        ATTNAUX_PAIR_PANEL(4)
+        break;
+      case 3:
+        ATTNAUX_PAIR_PANEL(3)
+        break;
+      case 2:
+        ATTNAUX_PAIR_PANEL(2)
+        break;
+      default:
+        ATTNAUX_PAIR_PANEL(1)
+        break;
+    }
+#undef ATTNAUX_PAIR_PANEL
+  }
+}
+
+// Pair words of two float rows rounded to bfloat16 (nearest even; NaN stays NaN): word l of the
+// result holds lo[l] in its low half and hi[l] in its high half.
+inline void StorePairsBf16(uint32_t* dst, VecF lo, VecF hi) {
+  // vcvtne2ps2bf16 puts lo's 16 values below hi's; the permutation interleaves them
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both));
+}
+
+// x rounded to bfloat16 in lane order (so that pairs are neighbouring lanes), as
+// StorePairsBf16 rounds.
+inline void StoreBf16(uint16_t* dst, VecF x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+}
+#else
+inline constexpr bool kHasBf16Pairs = false;
+#endif
+
 }  // namespace attnaux::cpu
 
 #endif  // ATTNAUX_CSRC_CPU_CPU_GEMM_H_
