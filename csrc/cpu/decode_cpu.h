@@ -282,94 +282,219 @@ __attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step
   }
 }
 
-// ValueBlockAsking for bfloat16 value rows read in place and W vectors of rows: kCols value
-// columns of out[x][W * 16] = alpha[w] * in[x][..] + sum_{j < keys} v[j * v_step + x] p[j][..]
-// (`ld` floats a row of in, out and p). A key's pair of values is broadcast as one 32-bit lane
-// and split into its two float32 values (a shift, an and: exact; the integer ops issue beside
-// the FMAs, which keep their full rate, where a staged float32 copy of V cost a third of the
-// products). The same FMAs in the same order as the float32 form; adds out * 0 to `finite`.
-// Asks (into L2) for the `ask_lines` lines from `ask`, one with each key's products (the address
-// clamped, not the request skipped: behind a branch GCC dropped the requests).
-template <int W, int kCols>
-inline void ValueBlockBf16(int64_t keys, const uint16_t* v, int64_t v_step, const float* p,
-                           const __m512* alpha, const float* in, float* out, int64_t ld,
-                           __m512* finite, const char* ask, int64_t ask_lines) {
-  __m512 acc[kCols][W];
-  for (int x = 0; x < kCols; ++x) {
-    for (int w = 0; w < W; ++w) {
-      acc[x][w] = _mm512_mul_ps(_mm512_loadu_ps(in + x * ld + w * 16), alpha[w]);
-      asm("" : "+v"(acc[x][w]));  // rounded before the products add to it, as ValueBlockAsking
+// The sums of 16 vectors' lanes, lane 4k + i of the result the sum of a[4i + k] (a transpose
+// and add tree: 30 shuffles and 15 adds for 16 dot products).
+inline __attribute__((always_inline)) __m512 SumLanes16(const __m512* a) {
+  __m512 v1[8], v2[4], v3[2];
+  for (int m = 0; m < 8; ++m) {  // [a[2m] (8 lanes), a[2m + 1] (8)]
+    v1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  }
+  for (int q = 0; q < 4; ++q) {  // block k: a[4q + k] (4 lanes)
+    v2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(v1[2 * q], v1[2 * q + 1], 0x88),
+                          _mm512_shuffle_f32x4(v1[2 * q], v1[2 * q + 1], 0xDD));
+  }
+  for (int t = 0; t < 2; ++t) {  // block k: a[8t + k] (2 lanes), a[8t + 4 + k] (2)
+    v3[t] = _mm512_add_ps(_mm512_shuffle_ps(v2[2 * t], v2[2 * t + 1], 0x44),
+                          _mm512_shuffle_ps(v2[2 * t], v2[2 * t + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(v3[0], v3[1], 0x88),
+                       _mm512_shuffle_ps(v3[0], v3[1], 0xDD));
+}
+
+// ScoresBf16 for at most 4 rows (n <= 4; lanes 0..3 of S^T, lanes past n repeat row n - 1 and
+// are masked by the caller), the head dim in the lanes: each key row read once as kChunks vectors
+// of 32 values for the 4 rows' VDPBF16PS against q [n][kChunks * 32], 4 keys' 16 dot products
+// summed together (SumLanes16). With rows in the lanes 12 of 16 lanes computed nothing and each
+// product took a broadcast of a key pair: ~42 cycles a key, against ~16 products and ~12 shuffles
+// and adds here.
+template <int kChunks>
+__attribute__((noinline)) void ScoresBf16Rows4(const uint16_t* k, int64_t step, int64_t nk,
+                                               const uint16_t* q, int64_t n, int64_t np,
+                                               float* st) {
+  constexpr int kD = kChunks * 32;
+  __m512bh qv[4][kChunks];
+  for (int r = 0; r < 4; ++r) {
+    const uint16_t* row = q + std::min<int64_t>(r, n - 1) * kD;
+    for (int c = 0; c < kChunks; ++c) qv[r][c] = (__m512bh)_mm512_loadu_si512(row + c * 32);
+  }
+  for (int64_t jb = 0; jb < kDecodeTile; jb += 4) {
+    __m512 a[16];  // a[4 r + key]
+    for (int key = 0; key < 4; ++key) {
+      const uint16_t* row = k + std::min<int64_t>(jb + key, nk - 1) * step;
+      __m512bh kv[kChunks];
+      for (int c = 0; c < kChunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + c * 32);
+      for (int r = 0; r < 4; ++r) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[r][c], kv[c]);
+        a[4 * r + key] = acc;
+      }
+    }
+    const __m512 sums = SumLanes16(a);  // block `key`: its 4 rows
+    _mm_storeu_ps(st + (jb + 0) * np, _mm512_extractf32x4_ps(sums, 0));
+    _mm_storeu_ps(st + (jb + 1) * np, _mm512_extractf32x4_ps(sums, 1));
+    _mm_storeu_ps(st + (jb + 2) * np, _mm512_extractf32x4_ps(sums, 2));
+    _mm_storeu_ps(st + (jb + 3) * np, _mm512_extractf32x4_ps(sums, 3));
+  }
+}
+
+// R rows' kVecs * 16 value columns of O' = alpha O + P V on AVX-512 BF16's pair products along
+// the keys: out[r][x] = alpha[r] in[r][x] + sum_{pairs i} (p[r][2i] v[2i][x] +
+// p[r][2i + 1] v[2i + 1][x]) (`ld` floats a row of in and out), the value columns in the lanes:
+// the two keys' values of column x one 32-bit lane of vi[i][x] (ValuesBf16 interleaves them),
+// against the row's pair pp[i][r] of P rounded to bfloat16, broadcast (each product of two
+// bfloat16 values is exact in float32). Per key pair and row, kVecs instructions for 32 * kVecs
+// multiply-adds: a quarter of the float32 FMAs on values split out of V with rows in the lanes,
+// and no lanes left empty when a kv head has fewer than 16 rows. Adds out * 0 to `finite`. Asks
+// (into L2) for the `ask_lines` lines from `ask`, `per_pair` with each pair's products (the
+// address clamped, not the request skipped: behind a branch GCC dropped the requests).
+template <int R, int kVecs>
+inline void ValueRowsBf16(int64_t pairs, const uint32_t* vi, int64_t vi_step, const uint32_t* pp,
+                          int64_t pp_step, const float* alpha, const float* in, float* out,
+                          int64_t ld, __m512* finite, const char* ask, int64_t ask_lines,
+                          int64_t per_pair) {
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(in + r * ld + v * 16), a);
+      asm("" : "+v"(acc[r][v]));  // rounded before the products add to it, as ValueBlockAsking
     }
   }
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  for (int64_t j = 0; j < keys; ++j) {
-    __builtin_prefetch(ask + std::min(j, ask_lines - 1) * 64, 0, 2);
-    __m512 pv[W];
-    for (int w = 0; w < W; ++w) pv[w] = _mm512_loadu_ps(p + j * ld + w * 16);
-    const uint16_t* row = v + j * v_step;
-    for (int x = 0; x < kCols; x += 2) {
-      int32_t pair;
-      std::memcpy(&pair, row + x, sizeof(pair));
-      const __m512i both = _mm512_set1_epi32(pair);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(both, high));
-      for (int w = 0; w < W; ++w) {
-        acc[x][w] = _mm512_fmadd_ps(even, pv[w], acc[x][w]);
-        acc[x + 1][w] = _mm512_fmadd_ps(odd, pv[w], acc[x + 1][w]);
-      }
+  for (int64_t i = 0; i < pairs; ++i) {
+    for (int64_t t = 0; t < per_pair; ++t) {
+      __builtin_prefetch(ask + std::min(i * per_pair + t, ask_lines - 1) * 64, 0, 2);
+    }
+    __m512bh vv[kVecs];
+    for (int v = 0; v < kVecs; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vi + i * vi_step + v * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[i * pp_step + r]));
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], vv[v], pr);
     }
   }
   __m512 zero_if_finite = _mm512_setzero_ps();
-  for (int x = 0; x < kCols; ++x) {
-    for (int w = 0; w < W; ++w) {
-      _mm512_storeu_ps(out + x * ld + w * 16, acc[x][w]);
-      zero_if_finite = _mm512_fmadd_ps(acc[x][w], _mm512_setzero_ps(), zero_if_finite);
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVecs; ++v) {
+      _mm512_storeu_ps(out + r * ld + v * 16, acc[r][v]);
+      zero_if_finite = _mm512_fmadd_ps(acc[r][v], _mm512_setzero_ps(), zero_if_finite);
     }
   }
   *finite = _mm512_add_ps(*finite, zero_if_finite);
 }
 
-// O^T' = alpha O^T + V^T P^T (ValueBlockBf16) over all dv columns of one kv head, keys [0, nk)
-// (past nk P is 0 and the rows are not read), asking for the lines of `ask` as it goes; false
-// when the result is not finite.
+// O' = alpha O + P V (ValueRowsBf16) for the n rows ([n][ld]) and dv columns of one kv head,
+// keys [0, nk) (past nk P is 0 and the rows are not read), asking for the lines of `ask` as it
+// goes; false when the result is not finite. P (float32, [kDecodeTile][np], rows in the lanes)
+// meets V rounded to bfloat16 (round to nearest even, VCVTNE2PS2BF16), key pairs packed per row
+// into `pp` ([kDecodeTile / 2][np]); V's key pairs interleaved into `vi` ([kDecodeTile / 2][dv];
+// past nk zero). The row sums and maxima stay those of the unrounded P.
 __attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, int64_t v_step,
-                                                 int64_t dv, const float* p, int64_t np,
-                                                 const float* alpha, const float* in, float* out,
-                                                 const LineAsk& ask) {
-  __m512 a[4], finite = _mm512_setzero_ps();
-  for (int64_t w = 0; w < np / kLanes; ++w) a[w] = _mm512_loadu_ps(alpha + w * kLanes);
-  int64_t line = 0;
-  for (int64_t x = 0; x < dv; x += 16) {
-    switch (np / kLanes) {
-#define ATTNAUX_VALUE_BLOCKS(W, COLS)                                                          \
-  for (int64_t c = 0; c < 16; c += COLS) {                                                      \
-    int64_t lines;                                                                              \
-    const char* run = ask.Run(line, nk, reinterpret_cast<const char*>(v), &lines);              \
-    ValueBlockBf16<W, COLS>(nk, v + x + c, v_step, p, a, in + (x + c) * np, out + (x + c) * np, \
-                            np, &finite, run, lines);                                           \
-    line += lines;                                                                              \
-  }                                                                                             \
-  break;
-      case 1: ATTNAUX_VALUE_BLOCKS(1, 16)
-      case 2: ATTNAUX_VALUE_BLOCKS(2, 8)
-      case 3: ATTNAUX_VALUE_BLOCKS(3, 4)
-      default: ATTNAUX_VALUE_BLOCKS(4, 4)
-#undef ATTNAUX_VALUE_BLOCKS
+                                                 int64_t dv, const float* p, int64_t n,
+                                                 int64_t np, const float* alpha, const float* in,
+                                                 float* out, int64_t ld, const LineAsk& ask,
+                                                 uint32_t* pp, uint32_t* vi) {
+  const int64_t pairs = (nk + 1) / 2;
+  // P's key pairs: lane r of pair i holds (p[2i][r], p[2i + 1][r]) as bfloat16 (low, high)
+  const __m512i by_lane = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    for (int64_t w = 0; w < np; w += kLanes) {
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + (2 * i + 1) * np + w),
+                                                        _mm512_loadu_ps(p + 2 * i * np + w));
+      _mm512_storeu_si512(pp + i * np + w, _mm512_permutexvar_epi16(by_lane, both));
     }
   }
-  for (; line < ask.na + ask.nb; ++line) {  // (more lines than keys x blocks)
+  // V's key pairs: vi[i][x] = (v[2i][x], v[2i + 1][x])
+  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41,
+                                              9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2,
+                                              33, 1, 32, 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t* a = v + 2 * i * v_step;
+    const bool second = 2 * i + 1 < nk;
+    for (int64_t x = 0; x < dv; x += 16) {
+      const __m512i lo =
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + x)));
+      const __m512i hi = second ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(a + v_step + x)))
+                                : _mm512_setzero_si512();
+      _mm512_storeu_si512(vi + i * dv + x, _mm512_permutex2var_epi16(lo, interleave, hi));
+    }
+  }
+  // blocks of 4 rows x 64 columns (2 x 128 for 1 or 2 rows), then narrower ones
+  __m512 finite = _mm512_setzero_ps();
+  int64_t calls = 0;
+  for (int64_t r = 0; r < n;) {
+    const int64_t rows = std::min<int64_t>(n - r, 4);
+    for (int64_t x = 0; x < dv;) {
+      x += rows <= 2 && dv - x >= 128 ? 128 : dv - x >= 64 ? 64 : 16;
+      ++calls;
+    }
+    r += rows;
+  }
+  const int64_t total = ask.na + ask.nb;
+  int64_t line = 0, call = 0;
+  for (int64_t r = 0; r < n;) {
+    const int64_t rows = std::min<int64_t>(n - r, 4);
+    for (int64_t x = 0; x < dv;) {
+      const int64_t cols = rows <= 2 && dv - x >= 128 ? 128 : dv - x >= 64 ? 64 : 16;
+      int64_t lines = 0;
+      const int64_t want = total * (call + 1) / calls - line;
+      const char* run = reinterpret_cast<const char*>(v);
+      if (want > 0) run = ask.Run(line, want, run, &lines);
+      const int64_t per_pair = CeilDiv(lines, pairs);
+      const uint32_t* vx = vi + x;
+      const uint32_t* pr = pp + r;
+      const float* ir = in + r * ld + x;
+      float* orow = out + r * ld + x;
+      const float* ar = alpha + r;
+#define ATTNAUX_VALUE_ROWS(R, V) \
+  ValueRowsBf16<R, V>(pairs, vx, dv, pr, np, ar, ir, orow, ld, &finite, run, lines, per_pair)
+      if (cols == 16) {
+        switch (rows) {
+          case 1: ATTNAUX_VALUE_ROWS(1, 1); break;
+          case 2: ATTNAUX_VALUE_ROWS(2, 1); break;
+          case 3: ATTNAUX_VALUE_ROWS(3, 1); break;
+          default: ATTNAUX_VALUE_ROWS(4, 1); break;
+        }
+      } else if (cols == 128) {
+        if (rows == 1) {
+          ATTNAUX_VALUE_ROWS(1, 8);
+        } else {
+          ATTNAUX_VALUE_ROWS(2, 8);
+        }
+      } else {
+        switch (rows) {
+          case 1: ATTNAUX_VALUE_ROWS(1, 4); break;
+          case 2: ATTNAUX_VALUE_ROWS(2, 4); break;
+          case 3: ATTNAUX_VALUE_ROWS(3, 4); break;
+          default: ATTNAUX_VALUE_ROWS(4, 4); break;
+        }
+      }
+#undef ATTNAUX_VALUE_ROWS
+      line += lines;
+      ++call;
+      x += cols;
+    }
+    r += rows;
+  }
+  for (; line < total; ++line) {  // (lines left by the runs' ends)
     int64_t one;
     __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(v), &one), 0, 2);
   }
   return _mm512_cmpneq_ps_mask(finite, _mm512_setzero_ps()) == 0;
 }
 #else
-inline bool ValuesBf16(int64_t, const uint16_t*, int64_t, int64_t, const float*, int64_t,
-                       const float*, const float*, float*, const LineAsk&) {
+inline bool ValuesBf16(int64_t, const uint16_t*, int64_t, int64_t, const float*, int64_t, int64_t,
+                       const float*, const float*, float*, int64_t, const LineAsk&, uint32_t*,
+                       uint32_t*) {
   return false;
 }
 inline void ScoresBf16(const uint16_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t,
                        float*) {}
+template <int kChunks>
+void ScoresBf16Rows4(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                     float*) {}
 #endif
 
 // What the score products of a whole tile of keys do to a block's dot products before they are
@@ -887,7 +1012,10 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   const bool lanes_shape = dp == 64 || dp == 128 || dp == 256;
   // bfloat16 K and V read in place by the products (ScoresBf16, ValuesBf16): a tile converted to
   // float32 first cost as much as the products (16 rows: ~5 GB/s a core), and from 2 rows per kv
-  // head these products also beat DotTile's dot products (2-4 rows: ~10-12 -> ~13-14 GB/s a core)
+  // head these products also beat DotTile's dot products (2-4 rows: ~10-12 -> ~13-14 GB/s a core).
+  // P meets V rounded to bfloat16 (ValuesBf16); up to 4 rows score with the head dim in the lanes
+  // (ScoresBf16Rows4). One core from L3 (d 128, 8 kv heads): 4 rows ~146 -> ~80 cycles a key and
+  // kv head, 16 rows values ~70 -> ~50 (scores unchanged, ~42)
   const bool bf16_lanes = kHasBf16Dot && lanes_shape && p.elem == Elem::kBF16 && d % 4 == 0 &&
                           dv % kLanes == 0 && n >= 2;
   const bool gemm = (n >= kDecodeGemmRows && lanes_shape) || bf16_lanes;
@@ -927,15 +1055,20 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     std::vector<float> s(hk * n * kDecodeTile);
     // the lane layout (gemm): q^T [d][np], O^T [dvp][np], row max and sum [np] per kv head;
     // O^T twice per kv head: ValueBlockAsking writes a tile's result next to the one it read
-    // (which stays for a redo when the result is not finite), `o_second` says which is current
+    // (which stays for a redo when the result is not finite), `o_second` says which is current;
+    // bf16_lanes keeps O instead ([n][dvp], ValuesBf16)
     std::vector<float> qt, ot, ml, ll, st, range_lo, range_hi;
     std::vector<uint32_t> qt2;  // bf16_lanes: [hk][d / 2][np], a row's pair per lane
+    // bf16_lanes: a tile's P and V in key pairs (ValuesBf16): [kDecodeTile / 2][np], [..][dv]
+    std::vector<uint32_t> pairs_p, pairs_v;
     std::vector<char> o_second;
     std::vector<VecF> finite_sums;  // x * 0 summed over a tile's V rows, per kv head
     if (gemm) {
       qt.assign(hk * d * np, 0.0f);
       if (bf16_lanes) {
         qt2.assign(hk * (d / 2) * np, 0);
+        pairs_p.assign(kDecodeTile / 2 * np, 0);
+        pairs_v.assign(kDecodeTile / 2 * dv, 0);
         for (int64_t hkv = 0; hkv < hk; ++hkv) {
           if (heads[hkv].qb.empty()) continue;  // no row sees a key
           for (int64_t r = 0; r < n; ++r) {
@@ -1099,8 +1232,18 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           }
           if (ask_next && hkv == hk - 1) asked_tile = j1;
         } else if (bf16_lanes) {
-          ScoresBf16(static_cast<const uint16_t*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d,
-                     hk * d, nk, d, qt2.data() + hkv * (d / 2) * np, np, st.data());
+          const uint16_t* kb =
+              static_cast<const uint16_t*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d;
+          const int64_t chunks32 = d % 32 == 0 && n <= 4 && !rows.qb.empty() ? d / 32 : 0;
+          if (chunks32 == 2) {
+            ScoresBf16Rows4<2>(kb, hk * d, nk, rows.qb.data(), n, np, st.data());
+          } else if (chunks32 == 4) {
+            ScoresBf16Rows4<4>(kb, hk * d, nk, rows.qb.data(), n, np, st.data());
+          } else if (chunks32 == 8) {
+            ScoresBf16Rows4<8>(kb, hk * d, nk, rows.qb.data(), n, np, st.data());
+          } else {
+            ScoresBf16(kb, hk * d, nk, d, qt2.data() + hkv * (d / 2) * np, np, st.data());
+          }
         } else {
           GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
                       np / kLanes, st.data(), np);
@@ -1164,7 +1307,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           }
           for (int64_t x = 0; x < dvp; ++x) Store(oth + x * np + v, Load(oth + x * np + v) * alpha);
         }
-        if (bf16_lanes) {  // O^T' = alpha O^T + V^T P^T into the other copy; a redo if not finite
+        if (bf16_lanes) {  // O' = alpha O + P V ([n][dvp]) into the other copy; a redo if not finite
           const uint16_t* vb =
               static_cast<const uint16_t*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv;
           float* next = ot.data() + ((1 - o_second[hkv]) * hk + hkv) * dvp * np;
@@ -1181,21 +1324,19 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
                                                   (b * p.kv_len + j1) * hk * dv) + v0 * 64;
             ask.nb = v_lines * (hkv + 1) / hk - v0;
           }
-          const bool finite =
-              ValuesBf16(nk, vb, hk * dv, dv, st.data(), np, alphas, oth, next, ask);
+          const bool finite = ValuesBf16(nk, vb, hk * dv, dv, st.data(), n, np, alphas, oth, next,
+                                         dvp, ask, pairs_p.data(), pairs_v.data());
           o_second[hkv] ^= 1;
-          if (!finite) {  // NaN or inf somewhere: only the keys a row sees
-            for (int64_t x = 0; x < dvp; ++x) {
-              for (int64_t v = 0; v < np; v += kLanes) {
-                Store(next + x * np + v, Load(oth + x * np + v) * Load(alphas + v));
-              }
+          if (!finite) {  // NaN or inf somewhere: only the keys a row sees (P unrounded)
+            for (int64_t r = 0; r < n; ++r) {
+              for (int64_t x = 0; x < dv; ++x) next[r * dvp + x] = oth[r * dvp + x] * alphas[r];
             }
             for (int64_t j = 0; j < nk; ++j) {
               for (int64_t r = 0; r < n; ++r) {
                 const float pr = st[j * np + r];
                 if (pr == 0.0f) continue;
                 for (int64_t x = 0; x < dv; ++x) {
-                  next[x * np + r] += pr * Bf16ToFloat(vb[j * hk * dv + x]);
+                  next[r * dvp + x] += pr * Bf16ToFloat(vb[j * hk * dv + x]);
                 }
               }
             }
@@ -1241,7 +1382,9 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           m[r] = ml[hkv * np + r];
           m[n + r] = ll[hkv * np + r];
           const float* oth = ot.data() + (o_second[hkv] * hk + hkv) * dvp * np;
-          for (int64_t x = 0; x < dv; ++x) m[2 * n + r * dvp + x] = oth[x * np + r];
+          for (int64_t x = 0; x < dv; ++x) {
+            m[2 * n + r * dvp + x] = bf16_lanes ? oth[r * dvp + x] : oth[x * np + r];
+          }
         }
       }
     }
