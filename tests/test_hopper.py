@@ -36,6 +36,19 @@ def _close(got, want, rel, what):
 
 
 # ---- the kernels themselves, over the masking geometry
+def _kernel_inputs(seed: int, dim: int, hkv: int, sq: int, skv: int, b=2, hq=4):
+    """`(q, k, v, rows, cols, dout, dlse)` of a direct kernel call: bf16 q/k/v/dout, one
+    float32 per-row and per-column input."""
+    keys = [jax.random.fold_in(jax.random.key(seed), i) for i in range(7)]
+    return (jax.random.normal(keys[0], (b, sq, hq, dim), jnp.bfloat16),
+            jax.random.normal(keys[1], (b, skv, hkv, dim), jnp.bfloat16),
+            jax.random.normal(keys[2], (b, skv, hkv, dim), jnp.bfloat16),
+            jax.random.normal(keys[3], (b, hq, 1, sq), jnp.float32),
+            jax.random.normal(keys[4], (b, hq, 1, skv), jnp.float32),
+            jax.random.normal(keys[5], (b, sq, hq, dim), jnp.bfloat16),
+            jax.random.normal(keys[6], (b, hq, sq), jnp.float32))
+
+
 def _reference(q, k, v, rows, cols, scale, softcap, geo, tile):
     g = q.shape[2] // k.shape[2]
     s = _reference_scores(q, k, rows, cols, scale, softcap, geo, tile)
@@ -94,16 +107,9 @@ def test_kernels_against_float32_reference(case):
     if not ON_HOPPER:
         pytest.skip("attnaux's own kernels need a Hopper GPU")
     dim, hkv, causal, window, offset, softcap, tile = case
-    b, sq, skv, hq = 2, 384, 512, 4
+    sq, skv = 384, 512
     geo = fh.Geometry(causal, window, offset, skv - 37, sq)  # 37 padding keys
-    keys = [jax.random.fold_in(jax.random.key(1), i) for i in range(7)]
-    q = jax.random.normal(keys[0], (b, sq, hq, dim), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, skv, hkv, dim), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, skv, hkv, dim), jnp.bfloat16)
-    rows = jax.random.normal(keys[3], (b, hq, 1, sq), jnp.float32)
-    cols = jax.random.normal(keys[4], (b, hq, 1, skv), jnp.float32)
-    dout = jax.random.normal(keys[5], (b, sq, hq, dim), jnp.bfloat16)
-    dlse = jax.random.normal(keys[6], (b, hq, sq), jnp.float32)
+    q, k, v, rows, cols, dout, dlse = _kernel_inputs(1, dim, hkv, sq, skv)
     scale, cfg = dim ** -0.5, fh.default_config(dim)
     out, lse, mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap, geometry=geo,
                               tile_fn=tile, config=cfg)
@@ -202,24 +208,17 @@ def test_kernels_with_dropout_against_float32_reference(case):
     from hopper_emulation import _drop
 
     dim, hkv, causal, softcap, tile, origin = case
-    b, sq, skv, hq = 2, 384, 512, 4
+    sq, skv = 384, 512
     rate = 0.2
     state = _block_state(3, origin, (8, 1024, 1024))
     geo = fh.Geometry(causal, None, 0, skv - 37, sq)
-    keys = [jax.random.fold_in(jax.random.key(2), i) for i in range(7)]
-    q = jax.random.normal(keys[0], (b, sq, hq, dim), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, skv, hkv, dim), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, skv, hkv, dim), jnp.bfloat16)
-    rows = jax.random.normal(keys[3], (b, hq, 1, sq), jnp.float32)
-    cols = jax.random.normal(keys[4], (b, hq, 1, skv), jnp.float32)
-    dout = jax.random.normal(keys[5], (b, sq, hq, dim), jnp.bfloat16)
-    dlse = jax.random.normal(keys[6], (b, hq, sq), jnp.float32)
+    q, k, v, rows, cols, dout, dlse = _kernel_inputs(2, dim, hkv, sq, skv)
     scale, cfg = dim ** -0.5, fh.default_config(dim)
     drop = dict(dropout=rate, drop_state=state)
     out, lse, mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap, geometry=geo,
                               tile_fn=tile, config=cfg, **drop)
     factor = _drop(rate, state, q, k)
-    g = hq // hkv
+    g = q.shape[2] // hkv
 
     def ref(q, k, v, rows, cols):
         _, lse_, mx_ = _reference(q, k, v, rows, cols, scale, softcap, geo, tile)

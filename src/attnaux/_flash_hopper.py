@@ -642,16 +642,14 @@ def dropout_rows(state, bsz: int, q_heads: int, q_seq: int):
     every row of the local problem in the whole one, from the 12-word block state
     (`docs/kernel_abi.md`: `e = (((b0 + b) * Hq' + h0 + h) * Sq' + i0 + i) * Skv' + j0 + j`);
     the kernels add the key's `j`."""
-    from ._philox import mulhilo
+    from ._philox import add_with_carry, mulhilo
 
     w = jnp.asarray(state, jnp.uint32)
     b = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
     h = jnp.arange(q_heads, dtype=jnp.uint32)[None, :, None]
     i = jnp.arange(q_seq, dtype=jnp.uint32)[None, None, :]
     row = ((w[4] + b) * w[8] + w[5] + h) * w[9] + w[6] + i
-    hi, lo = mulhilo(row, w[10])
-    e_lo = lo + w[7]
-    e_hi = hi + (e_lo < lo).astype(jnp.uint32)
+    e_hi, e_lo = add_with_carry(*mulhilo(row, w[10]), w[7])
     return jnp.stack([e_hi, e_lo], axis=2)
 
 
@@ -691,7 +689,7 @@ def _drop_factor(rate: float, seeds, e_hi, e_lo, key_pos, mulhilo=None):
     (`_philox.keep_word`, the pure-JAX mask's own function) at `e = (e_hi, e_lo) + key_pos`,
     drawn `DROPOUT_CHUNK` columns at a time. `mulhilo`: the kernels' `_wide_mulhilo` (None:
     `_philox`'s, on plain arrays)."""
-    from ._philox import keep_threshold, keep_word
+    from ._philox import add_with_carry, keep_threshold, keep_word
     from ._philox import mulhilo as portable_mulhilo
 
     mulhilo = mulhilo or portable_mulhilo
@@ -701,9 +699,7 @@ def _drop_factor(rate: float, seeds, e_hi, e_lo, key_pos, mulhilo=None):
     parts = []
     for c in range(0, e_lo.shape[1], DROPOUT_CHUNK):
         cut = (slice(None), slice(c, c + DROPOUT_CHUNK))
-        base = e_lo[cut]
-        lo = base + key_pos[cut].astype(jnp.uint32)
-        hi = e_hi[cut] + (lo < base).astype(jnp.uint32)
+        hi, lo = add_with_carry(e_hi[cut], e_lo[cut], key_pos[cut].astype(jnp.uint32))
         keep = keep_word(seeds, hi, lo, mulhilo) >= threshold
         parts.append(jnp.where(keep, jnp.float32(kept), jnp.float32(0.0)))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)

@@ -30,6 +30,13 @@ def mulhilo(a: jax.Array, b) -> tuple[jax.Array, jax.Array]:
     return hi, a * b
 
 
+def add_with_carry(hi: jax.Array, lo: jax.Array, x) -> tuple[jax.Array, jax.Array]:
+    """`(hi, lo) + x` for a 64-bit number in two uint32 words and a uint32 `x` (arrays that
+    broadcast): the low word wraps and carries into the high one."""
+    new_lo = lo + jnp.asarray(x, jnp.uint32)
+    return hi + (new_lo < lo).astype(jnp.uint32), new_lo
+
+
 def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array],
                   mulhilo=mulhilo):
     """Random123's Philox-4x32 with 10 rounds, elementwise over uint32 arrays. `mulhilo`:
@@ -79,9 +86,7 @@ def keep_at(rng_state: jax.Array, rate: float, row: jax.Array, col: jax.Array,
     broadcast; `kv_total` may be traced): `e = row * kv_total + col` in 64 bits, then the
     documented counter, key and word (`docs/kernel_abi.md`)."""
     rng_state = jnp.asarray(rng_state, jnp.uint32)
-    hi, lo = mulhilo(jnp.asarray(row, jnp.uint32), kv_total)
-    e_lo = lo + jnp.asarray(col, jnp.uint32)
-    e_hi = hi + (e_lo < lo).astype(jnp.uint32)
+    e_hi, e_lo = add_with_carry(*mulhilo(jnp.asarray(row, jnp.uint32), kv_total), col)
     return keep_word(rng_state, e_hi, e_lo) >= keep_threshold(rate)
 
 
