@@ -227,6 +227,115 @@ def _walk(cta_lo, cta_hi, ranges, visit, skip, carry, *, all_masked: bool):
     return carry
 
 
+def _accumulator_store(acc_ref, value):
+    """Sets a wgmma accumulator (of `pl.run_scoped`) to `value`: `plgpu.ACC.init` serves only
+    `pl.run_state`, whose scope returns nothing but the accumulators, and the overlapped forward
+    needs the softmax's results out of the scope where its product runs."""
+    from jax._src.pallas.mosaic_gpu.primitives import wgmma_accumulator_store
+    wgmma_accumulator_store(acc_ref, value)
+
+
+def _walk_overlapped(pl, plgpu, cta_lo, cta_hi, ranges, carry, *, scores, softmax, k_smem,
+                     v_smem, q_smem, ready, free, slot_of, turns, shape, dtype,
+                     all_masked: bool):
+    """The forward consumer's pass with FlashAttention-3's intra-warpgroup overlap: step `t`
+    issues S(t) = Q K(t)^T and then O += P(t-1) V(t-1) in one turn, and computes the softmax
+    of S(t) while the second product runs; O is rescaled once that product is done. Steps
+    outside the warpgroup's own `[lo, hi)` only release their slots and pass the turn on (each
+    step of the stream takes exactly one turn and one wait on each of its barriers, so the
+    phases stay paired with the producer and the other warpgroup)."""
+    k_ready, v_ready = ready
+    k_free, v_free = free
+    my_turn, other_turn = turns
+    lo, hi, full_lo, full_hi = ranges
+    lo = jnp.clip(lo, cta_lo, cta_hi)
+    hi = jnp.clip(hi, lo, cta_hi)
+
+    def skip(step, _):
+        slot = slot_of(step)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_wait(my_turn)
+        plgpu.barrier_arrive(other_turn)
+        return None
+
+    def first(c):
+        acc, m, denom, _ = c
+        slot = slot_of(lo)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(my_turn)
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.barrier_arrive(other_turn)
+            return plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m, denom, _ = softmax(scores(s, lo, True), lo, m, denom)  # acc is 0
+        return acc, m, denom, p.astype(dtype)
+
+    def step_body(step, c, masked):
+        acc, m, denom, p16 = c
+        slot, prev = slot_of(step), slot_of(step - 1)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+        plgpu.barrier_wait(my_turn)
+
+        def products(s_ref, o_ref):
+            _accumulator_store(o_ref, acc)
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+            plgpu.barrier_arrive(other_turn)
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S(t) done, P V may run
+            plgpu.barrier_arrive(k_free.at[slot])
+            p_new, m_new, denom_new, alpha = softmax(scores(s, step, masked), step, m, denom)
+            acc_new = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+            # P(t-1) is an operand of the product in flight until here: keeping it alive (and
+            # converting P(t) only now, as FlashAttention-3 does) stops the register allocator
+            # from reusing its registers early, which makes ptxas serialize every wgmma
+            acc_new, _ = lax.optimization_barrier((acc_new, p16))
+            return acc_new, m_new, denom_new, p_new, alpha
+
+        acc, m, denom, p, alpha = pl.run_scoped(
+            products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
+        plgpu.barrier_arrive(v_free.at[prev])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, m, denom, p.astype(dtype)
+
+    def last(c):
+        acc, m, denom, p16 = c
+        slot = slot_of(hi - 1)
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def pv(o_ref):
+            plgpu.wgmma(o_ref, p16, v_smem.at[slot])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, denom, p16
+
+    acc, m, denom = carry
+    p16 = plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
+    c = (acc, m, denom, p16)
+    lax.fori_loop(cta_lo, lo, skip, None)
+    c = lax.cond(lo < hi, first, lambda c: c, c)
+    after = jnp.minimum(lo + 1, hi)
+    if all_masked:
+        c = lax.fori_loop(after, hi, functools.partial(step_body, masked=True), c)
+    else:
+        full_lo = jnp.clip(full_lo, after, hi)
+        full_hi = jnp.clip(full_hi, full_lo, hi)
+        c = lax.fori_loop(after, full_lo, functools.partial(step_body, masked=True), c)
+        c = lax.fori_loop(full_lo, full_hi, functools.partial(step_body, masked=False), c)
+        c = lax.fori_loop(full_hi, hi, functools.partial(step_body, masked=True), c)
+    c = lax.cond(lo < hi, last, lambda c: c, c)
+    lax.fori_loop(hi, cta_hi, skip, None)
+    return c[:3]
+
+
 def _produce(pl, plgpu, cta_lo, cta_hi, stages: int, items):
     """The producer warpgroup: streams step `t` of `[cta_lo, cta_hi)` into slot `(t - cta_lo)
     % stages` for every `(source(t) -> GMEM view, SMEM slots, ready, free)` of `items`, waiting
@@ -354,12 +463,19 @@ def _modify(s, q_pos, kv_pos, b, h, rows, cols, *, scale, softcap, tile_fn, geom
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """`block_kv`: keys per tile; `stages`: K/V tiles in flight; `overlap`: the forward's
+    intra-warpgroup overlap (`_walk_overlapped`) instead of one product at a time."""
+
     block_kv: int = 128
     stages: int = 2
+    overlap: bool = True
 
 
 def default_config(head_dim: int) -> Config:
-    return Config(block_kv=128 if head_dim <= 128 else 64, stages=2)
+    # the overlap measured 1.04-1.14x at head dim 128 and 0.95-0.98x at 64 (H100, bf16,
+    # `benchmarks/gpu_hopper.py` shapes): at 64 the softmax is short next to the products'
+    # issue, and the second accumulator's registers cost more than the overlap gives
+    return Config(block_kv=128 if head_dim <= 128 else 64, stages=2, overlap=head_dim >= 128)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
@@ -404,6 +520,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     exp_scale = (scale * LOG2E) if plain else LOG2E
 
     table = None if tables is None else tables[0]
+    overlap = config.overlap
 
     def kernel(*refs):
         q_ref, k_ref, v_ref = refs[:3]
@@ -422,7 +539,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         at += 2 * bool(dropout)
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
-        k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
+        k_ready, v_ready, q_ready, k_free, v_free, turn, turn2 = barriers
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -451,9 +568,14 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             fn_b, fn_h = _fn_index(index_refs, b, h)  # what the tile function sees
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo_smem,
                                     q_ready.at[wg])
-            q_pos = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                           layout=wgmma) + q0
-            kv_iota = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=wgmma)
+            # the position tiles (64 registers a thread each) are built where a step uses
+            # them rather than living across the walk: 1.02-1.13x on the masked shapes
+            def q_pos_tile():
+                return plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                              layout=wgmma) + q0
+
+            def kv_iota_tile():
+                return plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=wgmma)
             row_vals = tuple(
                 lax.broadcast_in_dim(
                     plgpu.load(rows_ref.at[b, h, r, pl.ds(q0, block_q)], layout=row_layout,
@@ -475,22 +597,84 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             denom = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((block_q, dim), 0.0, jnp.float32), wgmma)
 
-            pl.when(wg == 1)(take_turn)
+            if overlap:
+                # strict alternation of the two warpgroups' matrix-product issues, as
+                # FlashAttention-3's scheduler barrier: wait for my turn, issue, pass it on
+                my_turn, other_turn = turn2.at[wg], turn2.at[1 - wg]
+                pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn2.at[0]))
+            else:
+                my_turn = other_turn = None
+                pl.when(wg == 1)(take_turn)
+
+
+            def wait_k(step):
+                plgpu.barrier_wait(k_ready.at[slot_of(step)])
+
+            def wait_next_k(step):
+                # every step of the stream waits for its K exactly once (the barriers'
+                # phases stay paired), at the end of the step before it: in the P.V product's
+                # scope, the wait overlaps that asynchronous wgmma (as JAX's Pallas FA3
+                # example does)
+                pl.when(step + 1 < cta_hi)(functools.partial(wait_k, step + 1))
+
+            if not overlap:  # (the overlapped walk waits for itself)
+                pl.when(cta_lo < cta_hi)(functools.partial(wait_k, cta_lo))
 
             def skip(step, carry):
                 slot = slot_of(step)
-                plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 take_turn()
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 take_turn()
+                wait_next_k(step)
                 return carry
+
+            def scores(s, step, masked):
+                """The (modified, masked) scores of step `step`'s tile."""
+                if plain and not masked:
+                    return s
+                kv_pos = kv_iota_tile() + step * block_kv
+                q_pos = q_pos_tile()
+                cols_v = tuple(
+                    lax.broadcast_in_dim(
+                        plgpu.load(cols_ref.at[b, h, c, pl.ds(step * block_kv, block_kv)],
+                                   layout=col_layout, optimized=False),
+                        (block_q, block_kv), [1])
+                    for c in range(n_cols))
+                if packed:  # the rules from the tokens' data, on the tiles that need them
+                    x = s if plain else mod(s, q_pos, kv_pos, fn_b, fn_h, row_vals,
+                                            cols_v, masked=False)[0]
+                    if masked:
+                        kv_info = tuple(
+                            plgpu.load(kvinfo_ref.at[b, c, pl.ds(step * block_kv, block_kv)],
+                                       layout=col_layout, optimized=False) for c in range(2))
+                        vis = _packed_visible(
+                            geometry, *(lax.broadcast_in_dim(x_, s.shape, [0])
+                                        for x_ in q_info),
+                            *(lax.broadcast_in_dim(x_, s.shape, [1]) for x_ in kv_info))
+                        x = jnp.where(vis, x, -jnp.inf)
+                    return x
+                if plain:  # only the masks: keep q.k units
+                    return jnp.where(_geometry_visible(geometry, q_pos, kv_pos), s, -jnp.inf)
+                return mod(s, q_pos, kv_pos, fn_b, fn_h, row_vals, cols_v, masked=masked)[0]
+
+            def softmax(x, step, m, denom):
+                """`(p, m_new, denom_new, alpha)`: P of the tile (times the dropout factor),
+                the running max and denominator, and the factor that rescales the output."""
+                m_new = jnp.maximum(m, x.max(axis=1))
+                m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new) * exp_scale
+                alpha = jnp.exp2(m * exp_scale - m_base)
+                p = jnp.exp2(x * exp_scale - lax.broadcast_in_dim(m_base, x.shape, [0]))
+                denom = denom * alpha + p.sum(axis=1)  # of P before dropout
+                if dropout:
+                    p = p * _drop_factor(dropout, seeds, *e_rows, kv_iota_tile() + step * block_kv,
+                                          _wide_mulhilo)
+                return p, m_new, denom, alpha
 
             def visit(step, carry, masked):
                 acc, m, denom = carry
                 slot = slot_of(step)
-                plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -499,43 +683,9 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
                 s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if plain and not masked:
-                    x = s
-                else:
-                    kv_pos = kv_iota + step * block_kv
-                    cols_v = tuple(
-                        lax.broadcast_in_dim(
-                            plgpu.load(cols_ref.at[b, h, c, pl.ds(step * block_kv, block_kv)],
-                                       layout=col_layout, optimized=False),
-                            (block_q, block_kv), [1])
-                        for c in range(n_cols))
-                    if packed:  # the rules from the tokens' data, on the tiles that need them
-                        x = s if plain else mod(s, q_pos, kv_pos, fn_b, fn_h, row_vals,
-                                                cols_v, masked=False)[0]
-                        if masked:
-                            kv_info = tuple(
-                                plgpu.load(kvinfo_ref.at[b, c, pl.ds(step * block_kv, block_kv)],
-                                           layout=col_layout, optimized=False) for c in range(2))
-                            vis = _packed_visible(
-                                geometry, *(lax.broadcast_in_dim(x_, s.shape, [0])
-                                            for x_ in q_info),
-                                *(lax.broadcast_in_dim(x_, s.shape, [1]) for x_ in kv_info))
-                            x = jnp.where(vis, x, -jnp.inf)
-                    elif plain:  # only the masks: keep q.k units
-                        x = jnp.where(_geometry_visible(geometry, q_pos, kv_pos), s, -jnp.inf)
-                    else:
-                        x, _ = mod(s, q_pos, kv_pos, fn_b, fn_h, row_vals, cols_v,
-                                   masked=masked)
-                m_new = jnp.maximum(m, x.max(axis=1))
-                m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new) * exp_scale
-                alpha = jnp.exp2(m * exp_scale - m_base)
-                p = jnp.exp2(x * exp_scale - lax.broadcast_in_dim(m_base, x.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                denom = denom * alpha + p.sum(axis=1)  # of P before dropout
-                if dropout:
-                    p = p * _drop_factor(dropout, seeds, *e_rows, kv_iota + step * block_kv,
-                                          _wide_mulhilo)
+                p, m_new, denom, alpha = softmax(scores(s, step, masked), step, m, denom)
                 p16 = p.astype(dtype)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -543,17 +693,27 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next_k(step)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, denom
 
-            # with dropout every tile pays for the keep-mask anyway: one visit body (the
-            # masks' share is small), a third of the code to compile
-            carry = _walk(cta_lo, cta_hi, own, visit, skip, (acc, m, denom),
-                          all_masked=_all_masked(tile_fn, table) or bool(dropout))
+            if overlap:
+                carry = _walk_overlapped(
+                    pl, plgpu, cta_lo, cta_hi, own, (acc, m, denom), scores=scores,
+                    softmax=softmax, k_smem=k_smem, v_smem=v_smem, q_smem=qo_smem,
+                    ready=(k_ready, v_ready), free=(k_free, v_free), slot_of=slot_of,
+                    turns=(my_turn, other_turn), shape=(block_q, block_kv), dtype=dtype,
+                    all_masked=_all_masked(tile_fn, table) or bool(dropout))
+            else:
+                # with dropout every tile pays for the keep-mask anyway: one visit body (the
+                # masks' share is small), a third of the code to compile
+                carry = _walk(cta_lo, cta_hi, own, visit, skip, (acc, m, denom),
+                              all_masked=_all_masked(tile_fn, table) or bool(dropout))
             acc, m, denom = carry
-            pl.when(wg == 0)(take_turn)
+            if not overlap:
+                pl.when(wg == 0)(take_turn)
 
             seen = denom > 0.0
             inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)
@@ -596,6 +756,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # k_free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # v_free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turn: the tensor-core schedule
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # turn2: each warpgroup's turn (overlap)
     )
     stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
     return plgpu.kernel(
