@@ -194,6 +194,14 @@ def _with_table(ranges, table_ref, b, h, block):
     return lo, hi, full_lo, full_hi
 
 
+def _longest_first(tile, n_tiles: int):
+    """The query tile a CTA takes: the last first. Under a causal mask later query tiles see
+    more keys, and the GPU starts CTAs in grid order, so the longest start in the first wave
+    and the short ones fill the tail (as FlashAttention does); elsewhere tiles cost the
+    same and the order does not matter."""
+    return jnp.int32(n_tiles - 1) - tile
+
+
 def _union(r0, r1):
     """The CTA's stream: from the first to the last tile of its two warpgroups' ranges."""
     big = jnp.int32(2**30)
@@ -544,7 +552,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
-        cta_q0 = lax.axis_index("q_tiles") * (COMPUTE_WGS * block_q)
+        cta_q0 = _longest_first(lax.axis_index("q_tiles"), q_seq // (COMPUTE_WGS * block_q)) * (
+            COMPUTE_WGS * block_q)
         wg_ranges = [
             _with_table(_ranges(geometry, cta_q0 + w * block_q, cta_q0 + (w + 1) * block_q,
                                 block_kv, n_kv_tiles),
@@ -1220,7 +1229,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
-        cta_q0 = lax.axis_index("q_tiles") * (COMPUTE_WGS * bq)
+        cta_q0 = _longest_first(lax.axis_index("q_tiles"), q_seq // (COMPUTE_WGS * bq)) * (
+            COMPUTE_WGS * bq)
         wg_ranges = [
             _with_table(_ranges(geometry, cta_q0 + w * bq, cta_q0 + (w + 1) * bq, bk,
                                 n_kv_tiles),
