@@ -1037,8 +1037,14 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kvh], v_smem, v_ready.at[wg])
             own = _pick(wg, *wg_ranges)
             # the transposed tile: keys down (axis 0), queries across (axis 1)
-            kv_pos = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma) + k0
-            q_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma)
+            # position tiles (and, in the dQ kernel, the rows' lse and D tiles) are built in
+            # the step that uses them, not held across the walk: 1.02-1.11x forward+backward
+            def kv_pos_tile():
+                return plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma) + k0
+
+            def q_iota_tile():
+                return plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma)
+
             own_keys = info_vectors(kvinfo_ref, b, k0, wgmma.reduce(1)) if packed else None
             plgpu.barrier_wait(k_ready.at[wg])
             plgpu.barrier_wait(v_ready.at[wg])
@@ -1081,7 +1087,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                     rt_b = lax.broadcast_in_dim(
                         plgpu.load(st_smem.at[slot, 1], layout=wgmma.reduce(0)), (bk, bq), [1])
                     plgpu.barrier_arrive(st_free.at[slot])
-                    q_pos = q_iota + q0
+                    q_pos = q_iota_tile() + q0
+                    kv_pos = kv_pos_tile()
                     row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(0),
                                                (bk, bq), 1) for r in range(n_rows))
                     vis = None
@@ -1252,8 +1259,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                                     st_ready.at[wg])
             own = _pick(wg, *wg_ranges)
             fn_b, fn_h = _fn_index(index_refs, b, h)  # what the tile function sees
-            q_pos = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma) + q0
-            kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma)
+            def q_pos_tile():
+                return plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma) + q0
+
+            def kv_iota_tile():
+                return plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma)
+
             row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(1), (bq, bk), 0)
                              for r in range(n_rows))
             own_rows = info_vectors(qinfo_ref, b, q0, wgmma.reduce(1)) if packed else None
@@ -1264,10 +1275,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(do_ready.at[wg])
             plgpu.barrier_wait(st_ready.at[wg])
-            lse_b = lax.broadcast_in_dim(plgpu.load(st_smem.at[0], layout=wgmma.reduce(1)),
-                                         (bq, bk), [0])
-            rt_b = lax.broadcast_in_dim(plgpu.load(st_smem.at[1], layout=wgmma.reduce(1)),
-                                        (bq, bk), [0])
+            lse_row = plgpu.load(st_smem.at[0], layout=wgmma.reduce(1))
+            rt_row = plgpu.load(st_smem.at[1], layout=wgmma.reduce(1))
+
+            def row_tiles():
+                return tuple(lax.broadcast_in_dim(r_, (bq, bk), [0]) for r_ in (lse_row, rt_row))
+
             dq = plgpu.layout_cast(jnp.zeros((bq, dim), jnp.float32), wgmma)
             drow0 = tuple(plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
                           for _ in range(n_rows))
@@ -1289,7 +1302,9 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                kv_pos = kv_iota + step * bk
+                kv_pos = kv_iota_tile() + step * bk
+                q_pos = q_pos_tile()
+                lse_b, rt_b = row_tiles()
                 col_vals = tuple(row_input(cols_ref, b, h, c_, step * bk, wgmma.reduce(0),
                                            (bq, bk), 1) for c_ in range(n_cols))
                 vis = None
