@@ -483,7 +483,19 @@ def default_config(head_dim: int) -> Config:
     # the overlap measured 1.04-1.14x at head dim 128 and 0.95-0.98x at 64 (H100, bf16,
     # `benchmarks/gpu_hopper.py` shapes): at 64 the softmax is short next to the products'
     # issue, and the second accumulator's registers cost more than the overlap gives
-    return Config(block_kv=128 if head_dim <= 128 else 64, stages=2, overlap=head_dim >= 128)
+    return Config(block_kv=128 if head_dim <= 128 else 64, stages=2,
+                  overlap=head_dim >= 128 and _accumulator_store_available())
+
+
+@functools.cache
+def _accumulator_store_available() -> bool:
+    """Whether this JAX has the (private) wgmma accumulator store the overlap needs; without it
+    the forward takes the plain walk, same results, one product at a time."""
+    try:
+        from jax._src.pallas.mosaic_gpu.primitives import wgmma_accumulator_store  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
@@ -614,7 +626,6 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             else:
                 my_turn = other_turn = None
                 pl.when(wg == 1)(take_turn)
-
 
             def wait_k(step):
                 plgpu.barrier_wait(k_ready.at[slot_of(step)])
