@@ -528,6 +528,11 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     block_q, block_kv = BLOCK_Q, config.block_kv
     n_kv_tiles = kv_seq // block_kv
     stages = max(1, min(config.stages, n_kv_tiles))
+    if config.overlap and stages < 2 and n_kv_tiles > 1:
+        # a skipping warpgroup waits for its step's data before passing the turn on, and with
+        # one slot that data waits for the other warpgroup's turn (`tests/test_hopper_walk.py`)
+        raise ValueError(f"the overlapped forward needs config.stages >= 2 for {n_kv_tiles} key "
+                         f"tiles; got {config.stages}")
     n_rows = tile_fn.n_rows if tile_fn is not None else 0
     n_cols = tile_fn.n_cols if tile_fn is not None else 0
     wgmma = plgpu.Layout.WGMMA
