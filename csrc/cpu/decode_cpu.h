@@ -42,6 +42,11 @@ inline constexpr int64_t kDecodeTile = 64;     // keys converted and scored at a
 inline constexpr int64_t kDecodeGemmRows = 8;  // rows per kv head from which S is a GEMM
 inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V
 inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys/DotTileRows ask for ahead
+// The locality of the bfloat16 products' requests for the next tile (ScoresBf16, ScoresBf16Rows4,
+// ValuesBf16): 3, PREFETCHT0. 4 rows per kv head from memory, one Zen 5 core (d 128, 8 kv
+// heads): ~15 GB/s with T1 from the value products alone, ~17 with T0 there, ~18 with T1 split
+// between the score and value products (LineAsk), ~19.7 with T0 split.
+inline constexpr int kBf16AskHint = 3;
 
 inline bool DecodeApplies(const AttentionParams& p) {
   return p.q_len >= 1 && p.q_len <= kDecodeMaxQ && p.group() * p.q_len <= kDecodeMaxRows &&
@@ -194,8 +199,11 @@ inline void AskStep(const AskShare& ask, AskCursor& cursor, int64_t x) {
 }
 
 // Lines [0, na) at `a`, then [na, na + nb) at `b` (64 bytes apart): a kv head's share of the
-// next tile's K rows and then V rows, in memory order, for its products to ask for (into L2) as
-// they go. The next kv head's rows instead (a tile's rows of a kv head lie a few KiB apart), or
+// next tile's K rows and then V rows, in memory order, for its products to ask for as they go:
+// the K lines by its score products (ScoresBf16, ScoresBf16Rows4), the V lines by its value
+// products (ValuesBf16). All of them from the value products, a quarter to a third of the time
+// with 4 rows, sent the requests in bursts the memory could not serve in time (4 rows from memory
+// ~15 GB/s a core, ~30 from L3); spread over both, with PREFETCHT0 (kBf16AskHint), ~20. The next kv head's rows instead (a tile's rows of a kv head lie a few KiB apart), or
 // none, read K and V at ~10 and ~6 GB/s a core (n 16, d 128, 8 kv heads), against ~12 this way
 // (also with 16 or 32 kv heads, whose two tiles do not fit the L2: the L3 holds what it lets go).
 struct LineAsk {
@@ -262,11 +270,17 @@ inline __attribute__((always_inline)) void KeyBlockBf16(int64_t pairs, const uin
 
 // S^T [kDecodeTile][np] = K Q^T for one kv head's bfloat16 keys [0, nk), rows `step` values
 // apart, read in place (keys past nk score key nk - 1 again: the rows past the cache's end are
-// not read; the caller masks those scores); qt2: [d / 2][np] (KeyBlockBf16).
+// not read; the caller masks those scores); qt2: [d / 2][np] (KeyBlockBf16). Asks for the
+// `ask_lines` lines from `ask` (LineAsk's K lines), a share with each block of keys.
 __attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step, int64_t nk,
                                                  int64_t d, const uint32_t* qt2, int64_t np,
-                                                 float* st) {
+                                                 float* st, const char* ask, int64_t ask_lines) {
+  const int64_t per_block = CeilDiv(ask_lines, kDecodeTile / 8);
   for (int64_t jb = 0; jb < kDecodeTile; jb += 8) {
+    for (int64_t t = 0; t < per_block; ++t) {
+      __builtin_prefetch(ask + std::min(jb / 8 * per_block + t, ask_lines - 1) * 64, 0,
+                         kBf16AskHint);
+    }
     const uint16_t* rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = k + std::min<int64_t>(jb + r, nk - 1) * step;
     float* c = st + jb * np;
@@ -307,11 +321,12 @@ inline __attribute__((always_inline)) __m512 SumLanes16(const __m512* a) {
 // of 32 values for the 4 rows' VDPBF16PS against q [n][kChunks * 32], 4 keys' 16 dot products
 // summed together (SumLanes16). With rows in the lanes 12 of 16 lanes computed nothing and each
 // product took a broadcast of a key pair: ~42 cycles a key, against ~16 products and ~12 shuffles
-// and adds here.
+// and adds here. Asks for `ask_lines` lines from `ask` as ScoresBf16 does.
 template <int kChunks>
 __attribute__((noinline)) void ScoresBf16Rows4(const uint16_t* k, int64_t step, int64_t nk,
                                                const uint16_t* q, int64_t n, int64_t np,
-                                               float* st) {
+                                               float* st, const char* ask, int64_t ask_lines) {
+  const int64_t per_block = CeilDiv(ask_lines, kDecodeTile / 4);
   constexpr int kD = kChunks * 32;
   __m512bh qv[4][kChunks];
   for (int r = 0; r < 4; ++r) {
@@ -319,6 +334,10 @@ __attribute__((noinline)) void ScoresBf16Rows4(const uint16_t* k, int64_t step, 
     for (int c = 0; c < kChunks; ++c) qv[r][c] = (__m512bh)_mm512_loadu_si512(row + c * 32);
   }
   for (int64_t jb = 0; jb < kDecodeTile; jb += 4) {
+    for (int64_t t = 0; t < per_block; ++t) {
+      __builtin_prefetch(ask + std::min(jb / 4 * per_block + t, ask_lines - 1) * 64, 0,
+                         kBf16AskHint);
+    }
     __m512 a[16];  // a[4 r + key]
     for (int key = 0; key < 4; ++key) {
       const uint16_t* row = k + std::min<int64_t>(jb + key, nk - 1) * step;
@@ -346,7 +365,7 @@ __attribute__((noinline)) void ScoresBf16Rows4(const uint16_t* k, int64_t step, 
 // bfloat16 values is exact in float32). Per key pair and row, kVecs instructions for 32 * kVecs
 // multiply-adds: a quarter of the float32 FMAs on values split out of V with rows in the lanes,
 // and no lanes left empty when a kv head has fewer than 16 rows. Adds out * 0 to `finite`. Asks
-// (into L2) for the `ask_lines` lines from `ask`, `per_pair` with each pair's products (the
+// (kBf16AskHint) for the `ask_lines` lines from `ask`, `per_pair` with each pair's products (the
 // address clamped, not the request skipped: behind a branch GCC dropped the requests).
 template <int R, int kVecs>
 inline void ValueRowsBf16(int64_t pairs, const uint32_t* vi, int64_t vi_step, const uint32_t* pp,
@@ -363,7 +382,8 @@ inline void ValueRowsBf16(int64_t pairs, const uint32_t* vi, int64_t vi_step, co
   }
   for (int64_t i = 0; i < pairs; ++i) {
     for (int64_t t = 0; t < per_pair; ++t) {
-      __builtin_prefetch(ask + std::min(i * per_pair + t, ask_lines - 1) * 64, 0, 2);
+      __builtin_prefetch(ask + std::min(i * per_pair + t, ask_lines - 1) * 64, 0,
+                         kBf16AskHint);
     }
     __m512bh vv[kVecs];
     for (int v = 0; v < kVecs; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vi + i * vi_step + v * 16);
@@ -480,7 +500,8 @@ __attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, 
   }
   for (; line < total; ++line) {  // (lines left by the runs' ends)
     int64_t one;
-    __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(v), &one), 0, 2);
+    __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(v), &one), 0,
+                       kBf16AskHint);
   }
   return _mm512_cmpneq_ps_mask(finite, _mm512_setzero_ps()) == 0;
 }
@@ -491,10 +512,10 @@ inline bool ValuesBf16(int64_t, const uint16_t*, int64_t, int64_t, const float*,
   return false;
 }
 inline void ScoresBf16(const uint16_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t,
-                       float*) {}
+                       float*, const char*, int64_t) {}
 template <int kChunks>
 void ScoresBf16Rows4(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
-                     float*) {}
+                     float*, const char*, int64_t) {}
 #endif
 
 // What the score products of a whole tile of keys do to a block's dot products before they are
@@ -1196,6 +1217,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       }
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
         const DecodeRows& rows = heads[hkv];
+        LineAsk next_ask;  // bf16_lanes: this kv head's share of the next tile (of the task)
         const float* kh = in_place
             ? static_cast<const float*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d
             : kstage.data() + hkv * kDecodeTile * dp;
@@ -1232,17 +1254,37 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           }
           if (ask_next && hkv == hk - 1) asked_tile = j1;
         } else if (bf16_lanes) {
+          if (j1 < c1) {  // this kv head's share of the next tile (of the task)
+            const int64_t keys = std::min(c1, j1 + kDecodeTile) - j1;
+            const int64_t k_lines = CeilDiv(keys * hk * d * 2, int64_t{64});
+            const int64_t v_lines = CeilDiv(keys * hk * dv * 2, int64_t{64});
+            const int64_t k0 = k_lines * hkv / hk, v0 = v_lines * hkv / hk;
+            next_ask.a = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.k) +
+                                                       (b * p.kv_len + j1) * hk * d) + k0 * 64;
+            next_ask.na = k_lines * (hkv + 1) / hk - k0;
+            next_ask.b = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.v) +
+                                                       (b * p.kv_len + j1) * hk * dv) + v0 * 64;
+            next_ask.nb = v_lines * (hkv + 1) / hk - v0;
+          }
           const uint16_t* kb =
               static_cast<const uint16_t*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d;
           const int64_t chunks32 = d % 32 == 0 && n <= 4 && !rows.qb.empty() ? d / 32 : 0;
+          // the scores ask for the K lines of the share, the value products for the V lines
+          const char* k_ask = next_ask.na > 0 ? next_ask.a : reinterpret_cast<const char*>(kb);
+          const int64_t k_ask_lines = next_ask.na;
+          next_ask.na = 0;
           if (chunks32 == 2) {
-            ScoresBf16Rows4<2>(kb, hk * d, nk, rows.qb.data(), n, np, st.data());
+            ScoresBf16Rows4<2>(kb, hk * d, nk, rows.qb.data(), n, np, st.data(), k_ask,
+                                 k_ask_lines);
           } else if (chunks32 == 4) {
-            ScoresBf16Rows4<4>(kb, hk * d, nk, rows.qb.data(), n, np, st.data());
+            ScoresBf16Rows4<4>(kb, hk * d, nk, rows.qb.data(), n, np, st.data(), k_ask,
+                                 k_ask_lines);
           } else if (chunks32 == 8) {
-            ScoresBf16Rows4<8>(kb, hk * d, nk, rows.qb.data(), n, np, st.data());
+            ScoresBf16Rows4<8>(kb, hk * d, nk, rows.qb.data(), n, np, st.data(), k_ask,
+                                 k_ask_lines);
           } else {
-            ScoresBf16(kb, hk * d, nk, d, qt2.data() + hkv * (d / 2) * np, np, st.data());
+            ScoresBf16(kb, hk * d, nk, d, qt2.data() + hkv * (d / 2) * np, np, st.data(), k_ask,
+                       k_ask_lines);
           }
         } else {
           GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
@@ -1311,21 +1353,8 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           const uint16_t* vb =
               static_cast<const uint16_t*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv;
           float* next = ot.data() + ((1 - o_second[hkv]) * hk + hkv) * dvp * np;
-          LineAsk ask;  // this kv head's share of the next tile (of the task)
-          if (j1 < c1) {
-            const int64_t keys = std::min(c1, j1 + kDecodeTile) - j1;
-            const int64_t k_lines = CeilDiv(keys * hk * d * 2, int64_t{64});
-            const int64_t v_lines = CeilDiv(keys * hk * dv * 2, int64_t{64});
-            const int64_t k0 = k_lines * hkv / hk, v0 = v_lines * hkv / hk;
-            ask.a = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.k) +
-                                                  (b * p.kv_len + j1) * hk * d) + k0 * 64;
-            ask.na = k_lines * (hkv + 1) / hk - k0;
-            ask.b = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.v) +
-                                                  (b * p.kv_len + j1) * hk * dv) + v0 * 64;
-            ask.nb = v_lines * (hkv + 1) / hk - v0;
-          }
           const bool finite = ValuesBf16(nk, vb, hk * dv, dv, st.data(), n, np, alphas, oth, next,
-                                         dvp, ask, pairs_p.data(), pairs_v.data());
+                                         dvp, next_ask, pairs_p.data(), pairs_v.data());
           o_second[hkv] ^= 1;
           if (!finite) {  // NaN or inf somewhere: only the keys a row sees (P unrounded)
             for (int64_t r = 0; r < n; ++r) {
