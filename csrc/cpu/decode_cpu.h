@@ -203,7 +203,8 @@ inline void AskStep(const AskShare& ask, AskCursor& cursor, int64_t x) {
 // the K lines by its score products (ScoresBf16, ScoresBf16Rows4), the V lines by its value
 // products (ValuesBf16). All of them from the value products, a quarter to a third of the time
 // with 4 rows, sent the requests in bursts the memory could not serve in time (4 rows from memory
-// ~15 GB/s a core, ~30 from L3); spread over both, with PREFETCHT0 (kBf16AskHint), ~20. The next kv head's rows instead (a tile's rows of a kv head lie a few KiB apart), or
+// ~15 GB/s a core, ~30 from L3); spread over both, with PREFETCHT0 (kBf16AskHint), ~20. The
+// next kv head's rows instead (a tile's rows of a kv head lie a few KiB apart), or
 // none, read K and V at ~10 and ~6 GB/s a core (n 16, d 128, 8 kv heads), against ~12 this way
 // (also with 16 or 32 kv heads, whose two tiles do not fit the L2: the L3 holds what it lets go).
 struct LineAsk {
