@@ -41,29 +41,23 @@ struct GemmFuse {
   VecF* row_max = nullptr;
 };
 
-template <int R, int NV, int kRowStep, bool kFuse>
-inline __attribute__((always_inline)) void MicroKernel(int64_t depth, const float* __restrict a,
-                                                       int64_t k_step, const float* __restrict b,
-                                                       int64_t ldb, float* __restrict c,
-                                                       int64_t ldc, bool accumulate,
-                                                       const GemmFuse& fuse) {
-  VecF acc[R][NV];
+// The block's C before the products (loaded and scaled when accumulating, else 0) and after
+// them (scaled, stored, its running maximum taken): shared by the float32 and the pair kernels.
+template <int R, int NV, bool kFuse>
+inline __attribute__((always_inline)) void LoadBlock(VecF (&acc)[R][NV], const float* c,
+                                                     int64_t ldc, bool accumulate,
+                                                     const GemmFuse& fuse) {
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) {
       acc[r][v] = accumulate ? Load(c + r * ldc + v * kLanes) : VecF{};
       if (kFuse && accumulate && fuse.c_scale != nullptr) acc[r][v] *= fuse.c_scale[v];
     }
   }
-  for (int64_t k = 0; k < depth; ++k) {
-    VecF bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = Load(b + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      VecF ar = Splat(a[r * kRowStep]);
-      for (int v = 0; v < NV; ++v) acc[r][v] += ar * bv[v];
-    }
-    a += k_step;
-    b += ldb;
-  }
+}
+
+template <int R, int NV, bool kFuse>
+inline __attribute__((always_inline)) void StoreBlock(VecF (&acc)[R][NV], float* c, int64_t ldc,
+                                                      const GemmFuse& fuse) {
   if (kFuse && fuse.scale_out) {
     const VecF scale = Splat(fuse.out_scale);
     for (int r = 0; r < R; ++r) {
@@ -80,6 +74,27 @@ inline __attribute__((always_inline)) void MicroKernel(int64_t depth, const floa
       fuse.row_max[v] = mx;
     }
   }
+}
+
+template <int R, int NV, int kRowStep, bool kFuse>
+inline __attribute__((always_inline)) void MicroKernel(int64_t depth, const float* __restrict a,
+                                                       int64_t k_step, const float* __restrict b,
+                                                       int64_t ldb, float* __restrict c,
+                                                       int64_t ldc, bool accumulate,
+                                                       const GemmFuse& fuse) {
+  VecF acc[R][NV];
+  LoadBlock<R, NV, kFuse>(acc, c, ldc, accumulate, fuse);
+  for (int64_t k = 0; k < depth; ++k) {
+    VecF bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = Load(b + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      VecF ar = Splat(a[r * kRowStep]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += ar * bv[v];
+    }
+    a += k_step;
+    b += ldb;
+  }
+  StoreBlock<R, NV, kFuse>(acc, c, ldc, fuse);
 }
 
 // Rows fewer than a full block: pick the kernel with exactly `rows` rows.
@@ -183,13 +198,11 @@ inline __attribute__((always_inline)) void PairMicroKernel(int64_t depth,
                                                            int64_t ldb, float* __restrict c,
                                                            int64_t ldc, bool accumulate,
                                                            const GemmFuse& fuse) {
+  VecF start[R][NV];
+  LoadBlock<R, NV, kFuse>(start, c, ldc, accumulate, fuse);
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NV; ++v) {
-      VecF x = accumulate ? Load(c + r * ldc + v * kLanes) : VecF{};
-      if (kFuse && accumulate && fuse.c_scale != nullptr) x *= fuse.c_scale[v];
-      acc[r][v] = (__m512)x;
-    }
+    for (int v = 0; v < NV; ++v) acc[r][v] = (__m512)start[r][v];
   }
   for (int64_t k = 0; k < depth; ++k) {
     __m512bh bv[NV];
@@ -205,22 +218,7 @@ inline __attribute__((always_inline)) void PairMicroKernel(int64_t depth,
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) out[r][v] = (VecF)acc[r][v];
   }
-  if (kFuse && fuse.scale_out) {
-    const VecF scale = Splat(fuse.out_scale);
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < NV; ++v) out[r][v] *= scale;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NV; ++v) Store(c + r * ldc + v * kLanes, out[r][v]);
-  }
-  if (kFuse && fuse.row_max != nullptr) {
-    for (int v = 0; v < NV; ++v) {
-      VecF mx = fuse.row_max[v];
-      for (int r = 0; r < R; ++r) mx = Max(mx, out[r][v]);
-      fuse.row_max[v] = mx;
-    }
-  }
+  StoreBlock<R, NV, kFuse>(out, c, ldc, fuse);
 }
 
 template <int R, int NV, int kRowStep, bool kFuse>
