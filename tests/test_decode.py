@@ -55,12 +55,18 @@ CASES = {
                                   kv_seqlens=jnp.asarray([2100, 5, 0]), softcap=7.0,
                                   sink=jnp.asarray([0.5, -1.0, 0.0, 2.0]))),
     "odd_head_dim": ((2, 3, 900, 3, 3, 40), dict(causal="bottom_right")),
+    # one row per kv head, d 128, every head's keys cut by lengths, window and softcap (the
+    # bfloat16 form reads 16 (key, head) rows at a time across kv heads and tiles)
+    "one_row_lengths_window": ((3, 1, 2600, 6, 6, 128),
+                               dict(kv_seqlens=jnp.asarray([2600, 701, 0]), causal="bottom_right",
+                                    window=(900, 0), softcap=9.0)),
 }
 
 
 # every case in float32; bfloat16 (AVX-512 BF16 dot products where the CPU has them) once per
 # form: one row (dot products) and several (rows in the lanes)
 PARAMS = [(name, "float32") for name in sorted(CASES)] + [("one_row", "bfloat16"),
+                                                          ("one_row_lengths_window", "bfloat16"),
                                                           ("gqa_rows", "bfloat16")]
 
 

@@ -685,8 +685,8 @@ inline void ChunkKeys(const DecodeRows& rows, int64_t chunk, int64_t* c0, int64_
 
 // The online softmax of one tile's scores for every row of every kv head (the dot path): each
 // row's m, l and output rescaled, its scores s replaced by P = exp(s - m) (exactly 0 for -inf
-// and past nk). `states`: each kv head's m[n], l[n], o[n][width], one after another; s:
-// [hk][n][kDecodeTile].
+// and past nk, where the callers leave -inf). `states`: each kv head's m[n], l[n], o[n][width],
+// one after another; s: [hk][n][kDecodeTile].
 inline void TileSoftmax(int64_t hk, int64_t n, int64_t width, int64_t nk, float* states,
                         float* s) {
   const int64_t per_head = n * (width + 2);
@@ -696,8 +696,19 @@ inline void TileSoftmax(int64_t hk, int64_t n, int64_t width, int64_t nk, float*
     float* o = l + n;
     for (int64_t r = 0; r < n; ++r) {
       float* sr = s + (hkv * n + r) * kDecodeTile;
-      float tile_max = -kInf;  // (NaN-propagating)
-      for (int64_t j = 0; j < nk; ++j) tile_max = sr[j] > tile_max || sr[j] != sr[j] ? sr[j] : tile_max;
+      // NaN-propagating (a NaN's payload never reaches m: std::max(m, NaN) is m), a vector at a
+      // time over the whole tile (past nk the scores are -inf): the scalar loop's data-dependent
+      // branches cost ~12% of a bfloat16 row's time from L3
+      VecF lanes_max = Splat(-kInf);
+      for (int64_t j = 0; j < kDecodeTile; j += kLanes) {
+        const VecF x = Load(sr + j);
+        lanes_max = x > lanes_max || x != x ? x : lanes_max;
+      }
+      float tile_max = -kInf;
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const float x = lanes_max[lane];
+        tile_max = x > tile_max || x != x ? x : tile_max;
+      }
       if (tile_max == -kInf) {
         std::fill(sr, sr + kDecodeTile, 0.0f);
         continue;
@@ -1020,6 +1031,101 @@ inline void DotTileKeys(const AttentionParams& p,
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// DotTileKeys for bfloat16 K and V of kC * 32 values per row (one row per kv head), read in
+// place in memory order, key by key, a key's kv heads one after another. DotTile's form (a dot
+// product and an AxpyBf16 per key and head, loops and range checks around each) ran at ~30 GB/s
+// a core from L3 against ~65 for float32 here: half the bytes per key in the same time. Here 16
+// (key, head) dot products are summed together (SumLanes16: its tree is _mm512_reduce_add_ps's)
+// and scattered, and a head's output row takes two keys' products per load and store. The
+// arithmetic is DotTile's (DotBf16's two chains over alternate 32-value chunks, the same sum
+// tree, times the scale; AxpyBf16's widening and FMA in key order): the same bits. `qall`: every
+// kv head's query row, [hk][kC * 32].
+template <int kC>
+inline void DotTileKeysBf16(const AttentionParams& p,
+                            const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
+                            int64_t j0, int64_t nk, float* states, std::vector<float>& s,
+                            const uint16_t* qall) {
+  using namespace decode_detail;
+  const int64_t hk = p.kv_heads;
+  constexpr int64_t kD = kC * 32;
+  const int64_t per_head = kD + 2;  // m, l, o[kD]
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + (b * p.kv_len + j0) * hk * kD;
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + (b * p.kv_len + j0) * hk * kD;
+  const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
+  const int64_t ahead = kStreamAhead / (kD * 2);      // rows between a read and its request
+  const int64_t pairs = nk * hk;                      // (key, head) rows of the tile
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  alignas(64) float sums[16];
+  int64_t hkv = 0, j = 0;  // of pair u0
+  for (int64_t u0 = 0; u0 < pairs; u0 += 16) {
+    __m512 a[16];
+    int64_t g = hkv;
+    for (int l = 0; l < 16; ++l) {  // pair u0 + l into a[4 (l % 4) + l / 4]: lane l of the sums
+      const int64_t u = std::min<int64_t>(u0 + l, pairs - 1);
+      const char* next = reinterpret_cast<const char*>(kbase + std::min(u + ahead, last_row) * kD);
+      for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, 0);
+      const uint16_t* k = kbase + u * kD;
+      const uint16_t* q = qall + g * kD;
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int c = 0; c + 1 < kC; c += 2) {
+        acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(q + c * 32),
+                                (__m512bh)_mm512_loadu_si512(k + c * 32));
+        acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(q + c * 32 + 32),
+                                (__m512bh)_mm512_loadu_si512(k + c * 32 + 32));
+      }
+      a[4 * (l % 4) + l / 4] = _mm512_add_ps(acc0, acc1);
+      if (++g == hk) g = 0;
+    }
+    _mm512_store_ps(sums, _mm512_mul_ps(SumLanes16(a), scale));
+    const int64_t count = std::min<int64_t>(16, pairs - u0);
+    for (int l = 0; l < count; ++l) {
+      s[hkv * kDecodeTile + j] = sums[l];
+      if (++hkv == hk) {
+        hkv = 0;
+        ++j;
+      }
+    }
+  }
+  for (int64_t h = 0; h < hk; ++h) {  // the keys a row does not see, softcap
+    const DecodeRows& rows = heads[h];
+    const int64_t a = std::clamp<int64_t>(rows.lo[0] - j0, 0, nk);
+    const int64_t e = std::clamp<int64_t>(rows.hi[0] - j0, a, nk);
+    float* sr = s.data() + h * kDecodeTile;
+    std::fill(sr, sr + a, -kInf);
+    std::fill(sr + e, sr + kDecodeTile, -kInf);
+    if (p.softcap > 0.0f) {
+      for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
+    }
+  }
+  TileSoftmax(hk, 1, kD, nk, states, s.data());
+  // P V in memory order; a pair whose P is 0 is skipped (NaN or inf in a value row no row sees
+  // never enters)
+  for (int64_t i = 0; i < nk; ++i) {
+    for (int64_t h = 0; h < hk; ++h) {
+      const int64_t u = i * hk + h;
+      const char* next = reinterpret_cast<const char*>(vbase + std::min(u + ahead, last_row) * kD);
+      for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, 0);
+      const float pr = s[h * kDecodeTile + i];
+      if (pr == 0.0f) continue;
+      float* o = states + h * per_head + 2;
+      const uint16_t* v = vbase + u * kD;
+      const __m512 pv = _mm512_set1_ps(pr);
+      for (int x = 0; x < kD; x += 16) {
+        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + x));
+        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hv), 16));
+        _mm512_storeu_ps(o + x, _mm512_fmadd_ps(pv, f, _mm512_loadu_ps(o + x)));
+      }
+    }
+  }
+}
+#else
+template <int kC>
+inline void DotTileKeysBf16(const AttentionParams&, const std::vector<decode_detail::DecodeRows>&,
+                            int64_t, int64_t, int64_t, float*, std::vector<float>&,
+                            const uint16_t*) {}
+#endif
+
 // Forward: out, lse, max. One task per (batch row, chunk of keys) for every kv head. With few
 // rows per kv head, a score is one dot product over the head dim, read straight from K (float32)
 // or from the tile's converted rows; with kDecodeGemmRows or more, the rows sit in the vector
@@ -1043,6 +1149,9 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   const bool gemm = (n >= kDecodeGemmRows && lanes_shape) || bf16_lanes;
   // float32 rows of whole vectors are read in place; others are converted per tile
   const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
+  // bfloat16, one row per kv head, K and V rows of 64, 128 or 256 values: DotTileKeysBf16
+  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n == 1 && d == dv &&
+                         (d == 64 || d == 128 || d == 256);
   const bool exact_keys = p.kv_len < (int64_t{1} << 24);  // key indices exact as float32
   FloatBuffer partial(p.batch * chunks * hk * per_head);
   auto state = [&](int64_t b, int64_t chunk, int64_t hkv) {
@@ -1070,7 +1179,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     // (direct); the products' stage only once a tile is not read in place (most tasks never
     // convert one: 2 x 256 KiB zeroed per task otherwise)
     std::vector<float> kstage, vstage;
-    if (!gemm) {
+    std::vector<uint16_t> qall;  // bf16_keys: every kv head's query row, [hk][d]
+    if (bf16_keys) {
+      qall.assign(hk * d, 0);
+      for (int64_t hkv = 0; hkv < hk; ++hkv) {
+        if (!heads[hkv].qb.empty()) std::copy_n(heads[hkv].qb.data(), d, qall.data() + hkv * d);
+      }
+    } else if (!gemm) {
       kstage.assign((direct ? 1 : hk) * kDecodeTile * dp, 0.0f);
       vstage.assign((direct ? 1 : hk) * kDecodeTile * dvp, 0.0f);
     }
@@ -1127,7 +1242,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
       const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
       if (!gemm) {
-        if (direct && dp == dvp && n == 1 && dp == 8 * kLanes) {
+        if (bf16_keys) {
+          switch (d / 32) {
+            case 2: DotTileKeysBf16<2>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s, qall.data()); break;
+            case 4: DotTileKeysBf16<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s, qall.data()); break;
+            default: DotTileKeysBf16<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s, qall.data()); break;
+          }
+        } else if (direct && dp == dvp && n == 1 && dp == 8 * kLanes) {
           DotTileKeys<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
         } else if (direct && dp == dvp && n == 1 && dp == 4 * kLanes) {
           DotTileKeys<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
