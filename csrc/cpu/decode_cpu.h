@@ -228,6 +228,28 @@ struct LineAsk {
   }
 };
 
+#if defined(__AVX512F__)
+// The sums of 16 vectors' lanes, lane 4k + i of the result the sum of a[4i + k] (a transpose
+// and add tree: 30 shuffles and 15 adds for 16 dot products).
+inline __attribute__((always_inline)) __m512 SumLanes16(const __m512* a) {
+  __m512 v1[8], v2[4], v3[2];
+  for (int m = 0; m < 8; ++m) {  // [a[2m] (8 lanes), a[2m + 1] (8)]
+    v1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  }
+  for (int q = 0; q < 4; ++q) {  // block k: a[4q + k] (4 lanes)
+    v2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(v1[2 * q], v1[2 * q + 1], 0x88),
+                          _mm512_shuffle_f32x4(v1[2 * q], v1[2 * q + 1], 0xDD));
+  }
+  for (int t = 0; t < 2; ++t) {  // block k: a[8t + k] (2 lanes), a[8t + 4 + k] (2)
+    v3[t] = _mm512_add_ps(_mm512_shuffle_ps(v2[2 * t], v2[2 * t + 1], 0x44),
+                          _mm512_shuffle_ps(v2[2 * t], v2[2 * t + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(v3[0], v3[1], 0x88),
+                       _mm512_shuffle_ps(v3[0], v3[1], 0xDD));
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // kKeys keys' scores for W vectors of rows (rows in the lanes): c[r][W * 16] = q . k_r, the
 // bfloat16 key rows `rows[r]` read in place, each pair of a key's values broadcast as one 32-bit
@@ -295,26 +317,6 @@ __attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step
         break;
     }
   }
-}
-
-// The sums of 16 vectors' lanes, lane 4k + i of the result the sum of a[4i + k] (a transpose
-// and add tree: 30 shuffles and 15 adds for 16 dot products).
-inline __attribute__((always_inline)) __m512 SumLanes16(const __m512* a) {
-  __m512 v1[8], v2[4], v3[2];
-  for (int m = 0; m < 8; ++m) {  // [a[2m] (8 lanes), a[2m + 1] (8)]
-    v1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
-                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
-  }
-  for (int q = 0; q < 4; ++q) {  // block k: a[4q + k] (4 lanes)
-    v2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(v1[2 * q], v1[2 * q + 1], 0x88),
-                          _mm512_shuffle_f32x4(v1[2 * q], v1[2 * q + 1], 0xDD));
-  }
-  for (int t = 0; t < 2; ++t) {  // block k: a[8t + k] (2 lanes), a[8t + 4 + k] (2)
-    v3[t] = _mm512_add_ps(_mm512_shuffle_ps(v2[2 * t], v2[2 * t + 1], 0x44),
-                          _mm512_shuffle_ps(v2[2 * t], v2[2 * t + 1], 0xEE));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(v3[0], v3[1], 0x88),
-                       _mm512_shuffle_ps(v3[0], v3[1], 0xDD));
 }
 
 // ScoresBf16 for at most 4 rows (n <= 4; lanes 0..3 of S^T, lanes past n repeat row n - 1 and
@@ -899,9 +901,8 @@ inline void AskAhead(const float* base, int64_t at, int64_t last_row) {
 // DotTile for float32 rows of NV whole vectors read in place, a few rows per kv head (GQA, or
 // several query positions): K and then V in memory order, key by key, a key's kv heads one after
 // another, as DotTileKeys, each row's lines kStreamAhead bytes further on asked for
-// (non-temporal); a key row is loaded once for up to 4 rows' dot products (rows that see the
-// same keys; the query rows from L1) and a value row once for 2 rows' outputs (read from and
-// written to L1). Head by head instead (rows 4 KiB apart, the next tile asked into L2 one line
+// (non-temporal); a key row is loaded once for all the rows' dot products (the query rows from
+// L1) and a value row once for 2 rows' outputs and 2 keys (read from and written to L1). Head by head instead (rows 4 KiB apart, the next tile asked into L2 one line
 // per page, two rows per key load) a core read ~14.5 GB/s of K and V (n 4, d 128, 2 threads
 // ~29); this order ~20. The arithmetic is DotTile's (Dot's two accumulators and shuffle sum,
 // Axpy in key order): the same bits.
@@ -916,6 +917,57 @@ inline void DotTileRows(const AttentionParams& p,
   const float* kbase = static_cast<const float*>(p.k) + (b * p.kv_len + j0) * hk * kD;
   const float* vbase = static_cast<const float*>(p.v) + (b * p.kv_len + j0) * hk * kD;
   const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
+#if defined(__AVX512F__)
+  // Every (key, head, row) dot product of the tile (those a row does not see too: set to -inf
+  // below), 16 at a time summed together (SumLanes16, _mm512_reduce_add_ps's tree: the same bits
+  // as ScoreRows) and scattered to s. ScoreRows' horizontal sum, range checks and query loads
+  // per key and run of rows cost ~3x its FMAs: one core from L3, 4 rows, d 128: ~25 -> ~34 GB/s
+  // (~175 -> ~120 cycles a key and kv head), with the value products' two keys per output load
+  // and store below.
+  __m512 part[16];
+  int64_t dest[16];
+  int queued = 0;
+  alignas(64) float sums[16];
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  auto flush = [&] {
+    for (int l = queued; l < 16; ++l) part[4 * (l % 4) + l / 4] = _mm512_setzero_ps();
+    _mm512_store_ps(sums, _mm512_mul_ps(SumLanes16(part), scale));
+    for (int l = 0; l < queued; ++l) s[dest[l]] = sums[l];
+    queued = 0;
+  };
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      AskAhead<kD>(kbase, j * hk + hkv, last_row);
+      const float* k = kbase + (j * hk + hkv) * kD;
+      __m512 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + v * kLanes);
+      const float* q = heads[hkv].q.data();
+      for (int64_t r = 0; r < n; ++r) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (int v = 0; v + 1 < NV; v += 2) {
+          acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * kD + v * kLanes), kv[v], acc0);
+          acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * kD + (v + 1) * kLanes), kv[v + 1], acc1);
+        }
+        part[4 * (queued % 4) + queued / 4] = _mm512_add_ps(acc0, acc1);
+        dest[queued] = (hkv * n + r) * kDecodeTile + j;
+        if (++queued == 16) flush();
+      }
+    }
+  }
+  if (queued > 0) flush();
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {  // the keys a row does not see, softcap
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t a = std::clamp<int64_t>(heads[hkv].lo[r] - j0, 0, nk);
+      const int64_t e = std::clamp<int64_t>(heads[hkv].hi[r] - j0, a, nk);
+      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
+      std::fill(sr, sr + a, -kInf);
+      std::fill(sr + e, sr + kDecodeTile, -kInf);
+      if (p.softcap > 0.0f) {
+        for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
+      }
+    }
+  }
+#else
   // each kv head's rows in runs of 4, 2 or 1 that see the same keys: (first row, count)
   std::vector<std::pair<int64_t, int>> runs;
   std::vector<int64_t> first_run(hk + 1, 0);
@@ -946,18 +998,24 @@ inline void DotTileRows(const AttentionParams& p,
       }
     }
   }
+#endif
   // the online softmax per row
   TileSoftmax(hk, n, kD, nk, states, s.data());
-  // P V in memory order; a key's P of 0 is skipped per row
-  for (int64_t j = 0; j < nk; ++j) {
+  // P V in memory order, two keys per load and store of the output rows (the same FMAs in the
+  // same order); a key's P of 0 is skipped per row
+  for (int64_t j = 0; j < nk; j += 2) {
+    const int64_t keys = std::min<int64_t>(2, nk - j);
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
       AskAhead<kD>(vbase, j * hk + hkv, last_row);
+      AskAhead<kD>(vbase, (j + 1) * hk + hkv, last_row);
       float* o = states + hkv * per_head + 2 * n;
       const float* sh = s.data() + hkv * n * kDecodeTile + j;
       const float* vr = vbase + (j * hk + hkv) * kD;
       int64_t r = 0;
-      for (; r + 1 < n; r += 2) AccumulateRows<NV, 2>(sh + r * kDecodeTile, vr, 0, 1, o + r * kD);
-      for (; r < n; ++r) AccumulateRows<NV, 1>(sh + r * kDecodeTile, vr, 0, 1, o + r * kD);
+      for (; r + 1 < n; r += 2) {
+        AccumulateRows<NV, 2>(sh + r * kDecodeTile, vr, hk * kD, keys, o + r * kD);
+      }
+      for (; r < n; ++r) AccumulateRows<NV, 1>(sh + r * kDecodeTile, vr, hk * kD, keys, o + r * kD);
     }
   }
 }
