@@ -118,12 +118,9 @@ def test_kernels_against_float32_reference(case):
     _close(lse, r_lse, 1e-4, "lse")
     _close(mx, r_mx, 1e-4, "max")
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
-    grads = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
-                        geometry=geo, tile_fn=tile, config=cfg)
-    again = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
-                        geometry=geo, tile_fn=tile, config=cfg)
-    for g, h in zip(grads, again, strict=True):  # no atomics: bitwise reproducible
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+    grads, reproducible = _both_backwards(
+        q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap, geometry=geo,
+        tile_fn=tile, config=cfg)
 
     def ref(q, k, v, rows, cols):
         o, lse_, _ = _reference(q, k, v, rows, cols, scale, softcap, geo, tile)
@@ -131,9 +128,36 @@ def test_kernels_against_float32_reference(case):
 
     _, pull = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)), rows, cols)
     r_grads = pull((dout.astype(jnp.float32), dlse))
-    for name, g, r in zip(("dq", "dk", "dv", "drows", "dcols"), grads, r_grads, strict=True):
-        if tile is not None or name in ("dq", "dk", "dv"):
-            _close(g.astype(jnp.float32), r, 3e-2, name)
+    for form, got in (("default", grads), ("two kernels", reproducible)):
+        for name, g, r in zip(("dq", "dk", "dv", "drows", "dcols"), got, r_grads, strict=True):
+            if tile is not None or name in ("dq", "dk", "dv"):
+                _close(g.astype(jnp.float32), r, 3e-2, f"{form}: {name}")
+
+
+def _both_backwards(*args, config, **kw):
+    """The default backward (dQ reduce-added inside the dK/dV kernel where it can be), and the
+    two-kernel form (`fused_dq=False`), which must be bitwise the same when run twice."""
+    import dataclasses
+
+    grads = fh.backward(*args, config=config, **kw)
+    two = dataclasses.replace(config, fused_dq=False)
+    reproducible = fh.backward(*args, config=two, **kw)
+    again = fh.backward(*args, config=two, **kw)
+    for g, h in zip(reproducible, again, strict=True):  # no atomics: bitwise reproducible
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+    return grads, reproducible
+
+
+def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
+    """XLA's own switch for reproducible GPU results turns the reduce-added dQ off (on by
+    default at head dim 64, where it is measured faster)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert fh.default_config(64).fused_dq
+    for value in ("--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops"):
+        monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {value}")
+        assert not fh.default_config(64).fused_dq
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert fh.default_config(64).fused_dq
 
 
 # ---- dropout: attnaux's keep-mask drawn inside the kernels
@@ -202,7 +226,7 @@ def test_kernels_with_dropout_against_float32_reference(case):
     """The kernels draw attnaux's keep-mask for a block of a larger problem (the origin and
     sizes of a 12-word block state): out and the gradients equal a float32 reference that
     multiplies P by the mask drawn with `_philox.keep_at` (lse and max are of the scores);
-    the backward twice is bitwise the same."""
+    the two-kernel backward twice is bitwise the same."""
     if not ON_HOPPER:
         pytest.skip("attnaux's own kernels need a Hopper GPU")
     from hopper_emulation import _drop
@@ -235,16 +259,14 @@ def test_kernels_with_dropout_against_float32_reference(case):
     _close(jnp.where(jnp.isfinite(lse), lse, 0.0), r_lse, 1e-4, "lse")
     _close(mx, r_mx, 1e-4, "max")
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
-    grads = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
-                        geometry=geo, tile_fn=tile, config=cfg, **drop)
-    again = fh.backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap,
-                        geometry=geo, tile_fn=tile, config=cfg, **drop)
-    for a, c in zip(grads, again, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    grads, reproducible = _both_backwards(
+        q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap, geometry=geo,
+        tile_fn=tile, config=cfg, **drop)
     r_grads = pull((dout.astype(jnp.float32), dlse, jnp.zeros_like(r_mx)))
-    for name, a, r in zip(("dq", "dk", "dv", "drows", "dcols"), grads, r_grads, strict=True):
-        if tile is not None or name in ("dq", "dk", "dv"):
-            _close(a.astype(jnp.float32), r, 3e-2, name)
+    for form, got in (("default", grads), ("two kernels", reproducible)):
+        for name, a, r in zip(("dq", "dk", "dv", "drows", "dcols"), got, r_grads, strict=True):
+            if tile is not None or name in ("dq", "dk", "dv"):
+                _close(a.astype(jnp.float32), r, 3e-2, f"{form}: {name}")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.25])

@@ -25,12 +25,13 @@ dS = P * (dP - (D - dlse)), at no extra cost; the tile function's derivative com
 gradients as row sums (dQ kernel) and column sums (dK/dV kernel). Each output element is summed
 by one warpgroup in a fixed order, so the gradients are bitwise reproducible.
 
-Why not FlashAttention-3's single backward kernel (dQ reduce-added in float32 from the dK/dV
-kernel, 5 matrix products per tile pair instead of 7): it was built and measured (H100, bf16,
-4x2048 and 2x4096 x16x128, `benchmarks/gpu_hopper.py`), correct, and 0.71-0.81x the speed of
-these two kernels forward+backward. In these kernels every wgmma result is awaited before the
-next step, so the dS exchange between the warpgroups, the float32 staging and the second product
-lengthen each step's critical path; without the reduce-adds it was still 0.83-0.85x.
+At head dim 64 (`Config.fused_dq`, `default_config`) the dK/dV kernel also sums dQ, as
+FlashAttention-3 does (5 matrix products per tile pair instead of 7): the two warpgroups share
+their dS tiles through shared memory and take turns on each query tile's dQ product, which is
+bulk-reduce-added in float32 into a zeroed buffer. H100, bf16, forward+backward: 1.07-1.18x the
+two kernels at head dim 64; at 128 the extra product spills the dK/dV kernel's registers and
+runs 0.79-0.81x, so 128 keeps the two kernels. The reduce-adds' order varies from run to run:
+XLA's `--xla_gpu_deterministic_ops` flag selects the two kernels everywhere.
 
 Pallas Mosaic GPU ships with jaxlib; it is imported lazily (only on a GPU), as it needs
 `absl`, which CPU installs may lack.
@@ -39,6 +40,7 @@ Pallas Mosaic GPU ships with jaxlib; it is imported lazily (only on a GPU), as i
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 
 import jax
@@ -475,19 +477,39 @@ def _modify(s, q_pos, kv_pos, b, h, rows, cols, *, scale, softcap, tile_fn, geom
 @dataclasses.dataclass(frozen=True)
 class Config:
     """`block_kv`: keys per tile; `stages`: K/V tiles in flight; `overlap`: the forward's
-    intra-warpgroup overlap (`_walk_overlapped`) instead of one product at a time."""
+    intra-warpgroup overlap (`_walk_overlapped`) instead of one product at a time; `fused_dq`:
+    the backward sums dQ inside the dK/dV kernel (float32 bulk reduce-adds into a zeroed
+    buffer, FlashAttention-3's way: 5 matrix products per tile pair) instead of a second kernel
+    that recomputes S and dP (7). The fused order of the float32 additions varies from run to
+    run; `fused_dq=False` is bitwise reproducible."""
 
     block_kv: int = 128
     stages: int = 2
     overlap: bool = True
+    fused_dq: bool = True
 
 
 def default_config(head_dim: int) -> Config:
     # the overlap measured 1.04-1.14x at head dim 128 and 0.96-0.98x at 64 (H100, bf16,
     # `benchmarks/gpu_hopper.py` shapes): at 64 the softmax is short next to the products'
-    # issue, and the second accumulator's registers cost more than the overlap gives
+    # issue, and the second accumulator's registers cost more than the overlap gives.
+    # The fused dQ measured 1.17-1.19x the two-kernel backward forward+backward at head dim 64
+    # (2x4096x32x64) and 0.79-0.81x at 128, where ptxas spilled 820-860 bytes a thread in the
+    # dK/dV kernel beside dK's and dV's 64 x 128 float32 accumulators (180-350 without it)
     return Config(block_kv=128 if head_dim <= 128 else 64, stages=2,
-                  overlap=head_dim >= 128 and _accumulator_store_available())
+                  overlap=head_dim >= 128 and _accumulator_store_available(),
+                  fused_dq=head_dim <= 64 and not deterministic_requested())
+
+
+def deterministic_requested() -> bool:
+    """Whether XLA was asked for deterministic GPU results (`--xla_gpu_deterministic_ops=true`
+    in `XLA_FLAGS`, XLA's own switch for this): the backward then takes its bitwise
+    reproducible two-kernel form instead of reduce-adding dQ."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            return value.lower() in ("", "true", "1")
+    return False
 
 
 @functools.cache
@@ -973,6 +995,14 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     swizzle = plgpu.SwizzleTransform(128)
     stages = config.stages
     bq = bk = BLOCK_Q  # 64 x 64 tiles in the backward
+    # dQ summed inside the dK/dV kernel; the row inputs' gradients are row sums, which the
+    # transposed tiles of that kernel would have to reduce across its warps: those stay in the
+    # dQ kernel
+    fused = config.fused_dq and n_rows == 0
+    # the fused dQ tile's columns per product (at head dim 128, 64 x 128 float32 beside dK's
+    # and dV's accumulators spilled 690-710 bytes a thread, in halves 820-860: see
+    # `default_config`)
+    dq_cols = min(dim, 64)
 
     def row_input(ref, b, h, r, q0, layout, shape, dim_):
         return lax.broadcast_in_dim(
@@ -1025,13 +1055,18 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         i += 2 * by_index
         seed_ref, erow_ref = refs[i:i + 2] if dropout else (None, None)
         i += 2 * bool(dropout)
+        dq_sum_ref = refs[i] if fused else None  # float32 dQ, zeroed; reduce-added into
+        i += fused
         dk_ref, dv_ref = refs[i:i + 2]
         i += 2
         dcols_ref = refs[i] if n_cols else None
         i += bool(n_cols)
         scratch, barriers = refs[i:]
-        k_smem2, v_smem2, q_smem, do_smem, st_smem, dcol_smem2 = scratch
-        k_ready, v_ready, q_ready, do_ready, st_ready, q_free, do_free, st_free = barriers
+        k_smem2, v_smem2, q_smem, do_smem, st_smem, dcol_smem2 = scratch[:6]
+        k_ready, v_ready, q_ready, do_ready, st_ready, q_free, do_free, st_free = barriers[:8]
+        if fused:
+            ds_smem, dq_stage = scratch[6:]
+            ds_ready, both_done = barriers[8:]
         b = lax.axis_index("batch")
         kvh = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -1071,6 +1106,43 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             dk, dv = zeros, zeros
             seeds = _read_seeds(seed_ref) if dropout else None
 
+            # The fused dQ. Step t's dQ tile is dS(t) (64 queries x the CTA's 128 keys) times
+            # K, summed by warpgroup t % 2 alone, over both warpgroups' dS (shared through
+            # shared memory): the two take turns, so neither waits for the other at every
+            # step, and each product spans the whole head dim (no split of K's columns).
+            # Buffers: dS is double-buffered by t % 2. Warpgroup w rewrites slot t % 2 at step
+            # t after waiting (at step t - 1, its own dQ step when w != t % 2) for the other's
+            # arrival of step t - 1, which follows that one's dQ product of step t - 2. The
+            # float32 staging tile is one buffer: each warpgroup waits until its previous
+            # reduce-add has read it before it arrives at a step's barrier, and the warpgroup
+            # that writes it waits for that barrier.
+            def share_ds(t, ds_b):
+                parity = lax.rem(t, jnp.array(2, jnp.int32))
+                ds_smem.at[parity, wg][...] = ds_b
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
+
+            def add_dq(t, q0, h):
+                parity = lax.rem(t, jnp.array(2, jnp.int32))
+
+                @pl.when(parity == wg)
+                def _():
+                    plgpu.barrier_wait(ds_ready.at[parity])
+
+                    for c0 in range(0, dim, dq_cols):
+                        def product(acc_ref, c0=c0):
+                            for w in range(COMPUTE_WGS):
+                                plgpu.wgmma(acc_ref, ds_smem.at[parity, w].transpose((1, 0)),
+                                            k_smem2.at[w, :, pl.ds(c0, dq_cols)])
+                            return acc_ref[...]
+
+                        dq_stage.at[:, pl.ds(c0, dq_cols)][...] = pl.run_scoped(
+                            product, plgpu.ACC((bq, dq_cols), jnp.float32))
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_stage, dq_sum_ref.at[b, pl.ds(q0, bq), h],
+                                            reduction_op="add")
+
             def per_head(g, carry):
                 dk, dv = carry
                 h = kvh * group + g
@@ -1087,6 +1159,10 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                                         (st_ready, st_free)):
                         plgpu.barrier_wait(ready.at[slot])
                         plgpu.barrier_arrive(free.at[slot])
+                    if fused:  # the other warpgroup may see this query tile: a zero dS
+                        share_ds(base + j, plgpu.layout_cast(
+                            jnp.zeros((bk, bq), dtype), wgmma))
+                        add_dq(base + j, j * bq, h)
                     return c
 
                 def visit(j, c, masked):
@@ -1139,11 +1215,17 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                         ds, _, dcol_tiles = vjp(ds)
                         dcols = tuple(a + t.sum(axis=1) for a, t in zip(dcols, dcol_tiles))
 
+                    ds_b = ds.astype(dtype)
+                    if fused:
+                        share_ds(base + j, ds_b)
+
                     def dk_acc(acc_ref):
-                        plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
+                        plgpu.wgmma(acc_ref, ds_b, q_smem.at[slot])
 
                     dk = pl.run_state(dk_acc)(plgpu.ACC.init(dk))
                     plgpu.barrier_arrive(q_free.at[slot])
+                    if fused:
+                        add_dq(base + j, q0, h)
                     return dk, dv, dcols
 
                 dk, dv, dcols = _walk(c_lo, c_hi, own, visit, skip, (dk, dv, dcol0),
@@ -1159,6 +1241,9 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             dk, dv = lax.fori_loop(0, group, per_head, (dk, dv))
             if plain:
                 dk = dk * scale
+            if fused:  # the other warpgroup's last dQ product may still read this K
+                plgpu.barrier_arrive(both_done.at[0])
+                plgpu.barrier_wait(both_done.at[0])
             k_smem[...] = dk.astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -1194,6 +1279,14 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     dkv_scratch = (kv_scratch, kv_scratch, q_scratch, q_scratch,
                    plgpu.SMEM((stages, 2, bq), jnp.float32),
                    plgpu.SMEM((COMPUTE_WGS, max(n_cols, 1), bk), jnp.float32))
+    if fused:
+        dkv_scratch += (
+            plgpu.SMEM((2, COMPUTE_WGS, bk, bq), dtype, transforms=(tiling, swizzle)),  # dS
+            # dQ on its way to the sum, swizzled: rows of float32 256 or 512 bytes apart would
+            # put a warp's stores of 8 rows in the same banks
+            plgpu.SMEM((bq, dim), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        )
     dkv_barriers = (
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k_ready
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # v_ready
@@ -1203,7 +1296,9 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # q_free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # do_free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # st_free
-    )
+    ) + ((plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),  # ds_ready
+          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1))  # both_done
+         if fused else ())
     dkv_out = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     if n_cols:
         dkv_out.append(jax.ShapeDtypeStruct(cols.shape, jnp.float32))
@@ -1213,6 +1308,9 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     dkv_extra = (extra + ([dkv_table] if dkv_table is not None else []) + info_args
                  + index_args)
     dq_extra = extra + ([dq_table] if dq_table is not None else []) + info_args + index_args
+    # the fused dQ: a zeroed float32 buffer the kernel reduce-adds into (a mutable array, so
+    # XLA aliases it to the kernel's output instead of copying)
+    dq_sum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
     dkv = plgpu.kernel(
         dkv_kernel,
         out_type=tuple(dkv_out),
@@ -1222,9 +1320,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         thread_name="wg",
         scratch_types=(dkv_scratch, dkv_barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, dout, stats, *dkv_extra)
+    )(q, k, v, dout, stats, *dkv_extra, *([dq_sum] if fused else []))
     dk, dv = dkv[0], dkv[1]
     dcols = dkv[2] if n_cols else cols
+    if fused:
+        dq = jax.freeze(dq_sum)
+        return (dq * scale if plain else dq).astype(dtype), dk, dv, rows, dcols
 
     # ---- dQ: grid (query heads, query blocks of 128, batch); stream key tiles
     n_kv_tiles = kv_seq // bk
