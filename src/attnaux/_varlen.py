@@ -46,7 +46,13 @@ class Packing(NamedTuple):
 
 
 def _packing(cu_seqlens: jax.Array, total: int, max_seqlen: int) -> Packing:
-    offsets = jax.lax.cummax(jnp.clip(cu_seqlens.astype(jnp.int32), 0, total))
+    clipped = jnp.clip(cu_seqlens.astype(jnp.int32), 0, total)
+    m = clipped.shape[0]
+    if m * m <= _flash_cudnn._COMPARE_ALL:  # the running max as one fused pass (see token_rows)
+        earlier = jnp.arange(m)[None, :] <= jnp.arange(m)[:, None]
+        offsets = jnp.max(jnp.where(earlier, clipped[None, :], 0), axis=1)
+    else:
+        offsets = jax.lax.cummax(clipped)
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], max_seqlen)
     if lengths.shape[0] == 0:  # no sequences: every token is padding
         zeros = jnp.zeros((total,), jnp.int32)
