@@ -60,6 +60,10 @@ CASES = {
     "one_row_lengths_window": ((3, 1, 2600, 6, 6, 128),
                                dict(kv_seqlens=jnp.asarray([2600, 701, 0]), causal="bottom_right",
                                     window=(900, 0), softcap=9.0)),
+    # 6 rows per kv head (GQA 3 x q_seq 2), d 128: the bfloat16 form pads them to 8 per score sum
+    "few_rows_lengths_window": ((3, 2, 2300, 6, 2, 128),
+                                dict(kv_seqlens=jnp.asarray([2300, 900, 0]), causal="bottom_right",
+                                     window=(800, 0), softcap=8.0)),
 }
 
 
@@ -67,6 +71,7 @@ CASES = {
 # form: one row (dot products) and several (rows in the lanes)
 PARAMS = [(name, "float32") for name in sorted(CASES)] + [("one_row", "bfloat16"),
                                                           ("one_row_lengths_window", "bfloat16"),
+                                                          ("few_rows_lengths_window", "bfloat16"),
                                                           ("gqa_rows", "bfloat16")]
 
 

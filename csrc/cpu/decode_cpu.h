@@ -1177,9 +1177,124 @@ inline void DotTileKeysBf16(const AttentionParams& p,
     }
   }
 }
+
+// DotTileRows for bfloat16 K and V of kC * 32 values per row, 2 to kDecodeGemmRows - 1 rows per
+// kv head (padded to kR: 2, 4 or 8), read in place: the scores on VDPBF16PS with the head dim in
+// the lanes (two chains over alternate 32-value chunks), kKeys = 16 / kR keys of one kv head x kR
+// rows summed together by SumLanes16 into each row's kKeys consecutive scores, kv heads in turn;
+// the online softmax a vector of keys at a time (TileSoftmax); P (float32, unrounded) times V
+// widened to float32, kValueKeys keys per load and store of an output block. The rows-in-lanes
+// products (ScoresBf16Rows4, ValuesBf16) spent 16 lanes of softmax on 4 rows and interleaved P
+// and V per tile: one core, 4 rows, d 128, 8 kv heads: from L3 ~28 -> ~32.5 GB/s (~72 -> ~63
+// cycles a key and kv head), from memory ~19 -> ~21. (The pairs in memory order with a scalar
+// transpose of the sums, or asking for this tile's V and the next tile's K into L2 instead of
+// K and V kStreamAhead ahead, or asking 16 or 32 KiB ahead, or with T0 or T1: no faster.)
+// `qall`: every kv head's query rows, [hk][kR][kC * 32] (rows past n zero).
+inline constexpr int kValueKeys = 4;
+template <int kC, int kR>
+inline void DotTileRowsBf16(const AttentionParams& p,
+                            const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
+                            int64_t j0, int64_t nk, float* states, std::vector<float>& s,
+                            const uint16_t* qall) {
+  using namespace decode_detail;
+  const int64_t n = p.group() * p.q_len, hk = p.kv_heads;
+  constexpr int64_t kD = kC * 32;
+  const int64_t per_head = n * (kD + 2);
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + (b * p.kv_len + j0) * hk * kD;
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + (b * p.kv_len + j0) * hk * kD;
+  const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
+  const int64_t ahead = kStreamAhead / (kD * 2);      // rows between a read and its request
+  auto ask = [&](const uint16_t* base, int64_t row) {
+    const char* next = reinterpret_cast<const char*>(base + std::min(row + ahead, last_row) * kD);
+    for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, 0);
+  };
+  // kKeys keys of one kv head at a time (keys past nk score key nk - 1 again; masked below), kv
+  // heads in turn: 16 dot products (kKeys keys x kR rows, rows past n of zero queries) summed
+  // by SumLanes16 into each row's kKeys consecutive scores
+  constexpr int kKeys = 16 / kR;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  alignas(64) float sums[16];
+  for (int64_t j = 0; j < nk; j += kKeys) {
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      __m512 a[16];
+      const uint16_t* q = qall + hkv * kR * kD;
+      for (int i = 0; i < kKeys; ++i) {
+        const int64_t u = std::min<int64_t>(j + i, nk - 1) * hk + hkv;
+        ask(kbase, u);
+        const uint16_t* k = kbase + u * kD;
+        __m512bh kv[kC];
+        for (int c = 0; c < kC; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
+        for (int r = 0; r < kR; ++r) {
+          __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+          for (int c = 0; c + 1 < kC; c += 2) {
+            acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(q + r * kD + c * 32),
+                                    kv[c]);
+            acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(q + r * kD + c * 32 + 32),
+                                    kv[c + 1]);
+          }
+          const int l = r * kKeys + i;  // lane of the sums
+          a[4 * (l % 4) + l / 4] = _mm512_add_ps(acc0, acc1);
+        }
+      }
+      _mm512_store_ps(sums, _mm512_mul_ps(SumLanes16(a), scale));
+      float* sh = s.data() + hkv * n * kDecodeTile + j;
+      for (int64_t r = 0; r < n; ++r) std::memcpy(sh + r * kDecodeTile, sums + r * kKeys, sizeof(float) * kKeys);
+    }
+  }
+  for (int64_t hkv = 0; hkv < hk; ++hkv) {  // the keys a row does not see, softcap
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t a = std::clamp<int64_t>(heads[hkv].lo[r] - j0, 0, nk);
+      const int64_t e = std::clamp<int64_t>(heads[hkv].hi[r] - j0, a, nk);
+      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
+      std::fill(sr, sr + a, -kInf);
+      std::fill(sr + e, sr + kDecodeTile, -kInf);
+      if (p.softcap > 0.0f) {
+        for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
+      }
+    }
+  }
+  TileSoftmax(hk, n, kD, nk, states, s.data());
+  // P V: kValueKeys keys (hk rows apart) at a time, blocks of 64 output columns; a key whose P
+  // is 0 is skipped per row (NaN or inf in a value row the row does not see never enters)
+  for (int64_t j = 0; j < nk; j += kValueKeys) {
+    const int64_t keys = std::min<int64_t>(kValueKeys, nk - j);
+    for (int64_t hkv = 0; hkv < hk; ++hkv) {
+      for (int64_t i = 0; i < kValueKeys; ++i) ask(vbase, (j + i) * hk + hkv);
+      float* o = states + hkv * per_head + 2 * n;
+      const float* sh = s.data() + hkv * n * kDecodeTile + j;
+      const uint16_t* v = vbase + (j * hk + hkv) * kD;
+      for (int64_t x = 0; x < kD; x += 64) {
+        __m512 vv[kValueKeys][4];
+        for (int64_t i = 0; i < kValueKeys; ++i) {
+          const uint16_t* row = v + std::min(i, keys - 1) * hk * kD + x;
+          for (int c = 0; c < 4; ++c) {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
+            vv[i][c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+          }
+        }
+        for (int64_t r = 0; r < n; ++r) {
+          float* orow = o + r * kD + x;
+          __m512 acc[4];
+          for (int c = 0; c < 4; ++c) acc[c] = _mm512_loadu_ps(orow + c * 16);
+          for (int64_t i = 0; i < keys; ++i) {
+            const float pr = sh[r * kDecodeTile + i];
+            if (pr == 0.0f) continue;
+            const __m512 pv = _mm512_set1_ps(pr);
+            for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(pv, vv[i][c], acc[c]);
+          }
+          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(orow + c * 16, acc[c]);
+        }
+      }
+    }
+  }
+}
 #else
 template <int kC>
 inline void DotTileKeysBf16(const AttentionParams&, const std::vector<decode_detail::DecodeRows>&,
+                            int64_t, int64_t, int64_t, float*, std::vector<float>&,
+                            const uint16_t*) {}
+template <int kC, int kR>
+inline void DotTileRowsBf16(const AttentionParams&, const std::vector<decode_detail::DecodeRows>&,
                             int64_t, int64_t, int64_t, float*, std::vector<float>&,
                             const uint16_t*) {}
 #endif
@@ -1202,14 +1317,17 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   // P meets V rounded to bfloat16 (ValuesBf16); up to 4 rows score with the head dim in the lanes
   // (ScoresBf16Rows4). One core from L3 (d 128, 8 kv heads): 4 rows ~146 -> ~80 cycles a key and
   // kv head, 16 rows values ~70 -> ~50 (scores unchanged, ~42)
+  // bfloat16 K and V rows of 64, 128 or 256 values with fewer than kDecodeGemmRows rows per kv
+  // head: DotTileKeysBf16 (one row) or DotTileRowsBf16; the products above from 8 rows (their
+  // FLOPs per key are then the lanes' own) or when K and V rows differ in length
+  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < kDecodeGemmRows &&
+                         d == dv && (d == 64 || d == 128 || d == 256);
   const bool bf16_lanes = kHasBf16Dot && lanes_shape && p.elem == Elem::kBF16 && d % 4 == 0 &&
-                          dv % kLanes == 0 && n >= 2;
+                          dv % kLanes == 0 && n >= 2 && !bf16_keys;
+  const int64_t rows_padded = n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8;  // (DotTileRowsBf16's kR)
   const bool gemm = (n >= kDecodeGemmRows && lanes_shape) || bf16_lanes;
   // float32 rows of whole vectors are read in place; others are converted per tile
   const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
-  // bfloat16, one row per kv head, K and V rows of 64, 128 or 256 values: DotTileKeysBf16
-  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n == 1 && d == dv &&
-                         (d == 64 || d == 128 || d == 256);
   const bool exact_keys = p.kv_len < (int64_t{1} << 24);  // key indices exact as float32
   FloatBuffer partial(p.batch * chunks * hk * per_head);
   auto state = [&](int64_t b, int64_t chunk, int64_t hkv) {
@@ -1237,11 +1355,13 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     // (direct); the products' stage only once a tile is not read in place (most tasks never
     // convert one: 2 x 256 KiB zeroed per task otherwise)
     std::vector<float> kstage, vstage;
-    std::vector<uint16_t> qall;  // bf16_keys: every kv head's query row, [hk][d]
+    // bf16_keys: every kv head's query rows, [hk][rows_padded][d] (rows past n zero)
+    std::vector<uint16_t> qall;
     if (bf16_keys) {
-      qall.assign(hk * d, 0);
+      qall.assign(hk * rows_padded * d, 0);
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
-        if (!heads[hkv].qb.empty()) std::copy_n(heads[hkv].qb.data(), d, qall.data() + hkv * d);
+        const std::vector<uint16_t>& qb = heads[hkv].qb;
+        if (!qb.empty()) std::copy(qb.begin(), qb.end(), qall.data() + hkv * rows_padded * d);
       }
     } else if (!gemm) {
       kstage.assign((direct ? 1 : hk) * kDecodeTile * dp, 0.0f);
@@ -1300,12 +1420,28 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
     for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
       const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
       if (!gemm) {
-        if (bf16_keys) {
+        float* states = state_of_chunk(b, chunk);
+        if (bf16_keys && n == 1) {
           switch (d / 32) {
-            case 2: DotTileKeysBf16<2>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s, qall.data()); break;
-            case 4: DotTileKeysBf16<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s, qall.data()); break;
-            default: DotTileKeysBf16<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s, qall.data()); break;
+            case 2: DotTileKeysBf16<2>(p, heads, b, j0, nk, states, s, qall.data()); break;
+            case 4: DotTileKeysBf16<4>(p, heads, b, j0, nk, states, s, qall.data()); break;
+            default: DotTileKeysBf16<8>(p, heads, b, j0, nk, states, s, qall.data()); break;
           }
+        } else if (bf16_keys) {
+#define ATTNAUX_ROWS_BF16(R)                                                              \
+  switch (d / 32) {                                                                      \
+    case 2: DotTileRowsBf16<2, R>(p, heads, b, j0, nk, states, s, qall.data()); break; \
+    case 4: DotTileRowsBf16<4, R>(p, heads, b, j0, nk, states, s, qall.data()); break; \
+    default: DotTileRowsBf16<8, R>(p, heads, b, j0, nk, states, s, qall.data()); break; \
+  }
+          if (rows_padded == 2) {
+            ATTNAUX_ROWS_BF16(2)
+          } else if (rows_padded == 4) {
+            ATTNAUX_ROWS_BF16(4)
+          } else {
+            ATTNAUX_ROWS_BF16(8)
+          }
+#undef ATTNAUX_ROWS_BF16
         } else if (direct && dp == dvp && n == 1 && dp == 8 * kLanes) {
           DotTileKeys<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
         } else if (direct && dp == dvp && n == 1 && dp == 4 * kLanes) {
