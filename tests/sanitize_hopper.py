@@ -6,9 +6,11 @@ NVIDIA's compute-sanitizer, which checks every memory access of every launch:
 
 (not collected by pytest; on a Hopper GPU). The grid covers the geometries (causal top-left and
 bottom-right, window, key padding), head dims 64 and 128, GQA, a tile function with per-row and
-per-column inputs, packed tokens with block tables, and dropout; each call is checked against
+per-column inputs, packed tokens with block tables, dropout, and both forms of the backward (dQ
+reduce-added inside the dK/dV kernel, and the two-kernel form); each call is checked against
 nothing but finiteness here (the pytest files check the values)."""
 
+import dataclasses
 import sys
 
 import jax
@@ -29,7 +31,7 @@ STATE = jnp.concatenate([jax.random.bits(jax.random.key(0), (4,), jnp.uint32),
                          jnp.asarray([0, 0, 0, 0, 2, 256, 384, 0], jnp.uint32)])
 
 
-def kernels(dim, hkv, causal, window, offset, tile, dropout):
+def kernels(dim, hkv, causal, window, offset, tile, dropout, fused_dq=None):
     b, sq, skv, hq = 1, 256, 384, 2
     geo = fh.Geometry(causal, window, offset, skv - 37, sq)
     ks = [jax.random.fold_in(jax.random.key(1), i) for i in range(5)]
@@ -39,8 +41,10 @@ def kernels(dim, hkv, causal, window, offset, tile, dropout):
     n = 1 if tile is not None else 0
     rows = jax.random.normal(ks[3], (b, hq, n, sq), jnp.float32)
     cols = jax.random.normal(ks[4], (b, hq, n, skv), jnp.float32)
-    kw = dict(scale=dim ** -0.5, softcap=None, geometry=geo, tile_fn=tile,
-              config=fh.default_config(dim))
+    config = fh.default_config(dim)
+    if fused_dq is not None:
+        config = dataclasses.replace(config, fused_dq=fused_dq)
+    kw = dict(scale=dim ** -0.5, softcap=None, geometry=geo, tile_fn=tile, config=config)
     if dropout:
         kw.update(dropout=0.2, drop_state=STATE)
     out, lse, _ = fh.forward(q, k, v, rows, cols, **kw)
@@ -64,10 +68,12 @@ def packed(dropout):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-GRID = [  # (head dim, kv heads, causal, window, offset, tile function, dropout)
+GRID = [  # (head dim, kv heads, causal, window, offset, tile function, dropout[, fused dQ])
     (64, 1, False, None, 0, None, False),
     (128, 2, True, None, 128, None, False),
     (64, 2, True, (40, 0), 0, None, False),
+    (64, 2, True, (40, 0), 0, None, False, False),  # the two-kernel backward at 64
+    (128, 2, True, None, 0, None, False, True),  # the fused backward at 128 (not the default)
     (128, 1, False, (30, 70), 0, TILE, False),
     (64, 1, True, None, 0, None, True),
 ]
