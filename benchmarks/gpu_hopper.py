@@ -44,8 +44,9 @@ def _kernels(q, causal):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def hopper_attention(q, k, v, causal):
-    """out of the Hopper kernels (`_flash_hopper.forward`), their two-kernel backward as the
-    VJP: plain attention, sequence lengths a multiple of 128 (no padding)."""
+    """out of the Hopper kernels (`_flash_hopper.forward`), their backward as the VJP (the
+    form `default_config` picks: dQ reduce-added in the dK/dV kernel at head dim 64, two
+    kernels at 128): plain attention, sequence lengths a multiple of 128 (no padding)."""
     none, statics = _kernels(q, causal)
     return fh.forward(q, k, v, none, none, **statics)[0]
 
