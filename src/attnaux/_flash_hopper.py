@@ -30,7 +30,7 @@ FlashAttention-3 does (5 matrix products per tile pair instead of 7): the two wa
 their dS tiles through shared memory and take turns on each query tile's dQ product, which is
 bulk-reduce-added in float32 into a zeroed buffer. H100, bf16, forward+backward: 1.07-1.18x the
 two kernels at head dim 64; at 128 the extra product spills the dK/dV kernel's registers and
-runs 0.79-0.81x, so 128 keeps the two kernels. The reduce-adds' order varies from run to run:
+runs 0.78-0.89x, so 128 keeps the two kernels. The reduce-adds' order varies from run to run:
 XLA's `--xla_gpu_deterministic_ops` flag selects the two kernels everywhere.
 
 Pallas Mosaic GPU ships with jaxlib; it is imported lazily (only on a GPU), as it needs
@@ -493,9 +493,10 @@ def default_config(head_dim: int) -> Config:
     # the overlap measured 1.04-1.14x at head dim 128 and 0.96-0.98x at 64 (H100, bf16,
     # `benchmarks/gpu_hopper.py` shapes): at 64 the softmax is short next to the products'
     # issue, and the second accumulator's registers cost more than the overlap gives.
-    # The fused dQ measured 1.17-1.19x the two-kernel backward forward+backward at head dim 64
-    # (2x4096x32x64) and 0.79-0.81x at 128, where ptxas spilled 820-860 bytes a thread in the
-    # dK/dV kernel beside dK's and dV's 64 x 128 float32 accumulators (180-350 without it)
+    # The fused dQ measured 1.07-1.18x the two-kernel backward forward+backward at head dim 64
+    # (2x4096x32x64, 8x1024x16x64) and 0.78-0.89x at 128, where ptxas spilled 690-860 bytes a
+    # thread in the dK/dV kernel beside dK's and dV's 64 x 128 float32 accumulators (32-250
+    # without it; docs/performance.md, sixth session)
     return Config(block_kv=128 if head_dim <= 128 else 64, stages=2,
                   overlap=head_dim >= 128 and _accumulator_store_available(),
                   fused_dq=head_dim <= 64 and not deterministic_requested())
