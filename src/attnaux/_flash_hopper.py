@@ -22,8 +22,8 @@ The backward is two kernels of the same shape (dK/dV over query tiles for 64-key
 key tiles for 64-row blocks), with the lse cotangent folded into the row term,
 dS = P * (dP - (D - dlse)), at no extra cost; the tile function's derivative comes from
 `jax.vjp` of the same function, traced into the kernels, and its row/column inputs receive their
-gradients as row sums (dQ kernel) and column sums (dK/dV kernel). Each output element is summed
-by one warpgroup in a fixed order, so the gradients are bitwise reproducible.
+gradients as row sums (dQ kernel) and column sums (dK/dV kernel). In this form each output
+element is summed by one warpgroup in a fixed order, so the gradients are bitwise reproducible.
 
 At head dim 64 (`Config.fused_dq`, `default_config`) the dK/dV kernel also sums dQ, as
 FlashAttention-3 does (5 matrix products per tile pair instead of 7): the two warpgroups share
