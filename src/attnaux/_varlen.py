@@ -48,9 +48,9 @@ class Packing(NamedTuple):
 def _packing(cu_seqlens: jax.Array, total: int, max_seqlen: int) -> Packing:
     clipped = jnp.clip(cu_seqlens.astype(jnp.int32), 0, total)
     m = clipped.shape[0]
-    if m * m <= _flash_cudnn._COMPARE_ALL:  # the running max as one fused pass (see token_rows)
+    if m <= 1024:  # the running max as one fused pass (see token_rows)
         earlier = jnp.arange(m)[None, :] <= jnp.arange(m)[:, None]
-        offsets = jnp.max(jnp.where(earlier, clipped[None, :], 0), axis=1)
+        offsets = jnp.max(jnp.where(earlier, clipped[None, :], 0), axis=1, initial=0)
     else:
         offsets = jax.lax.cummax(clipped)
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], max_seqlen)
