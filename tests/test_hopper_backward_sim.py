@@ -423,9 +423,9 @@ def _reference(q, k, v, dout, dlse, scale, geometry):
     return lse, out, dq, fold(dk), fold(dv)
 
 
-def _run(install, geometry, *, fused, q_seq=32, kv_seq=48, q_heads=4, kv_heads=2, dim=16,
-         seed=0, sleep_s=2e-4):
-    install(seed, sleep_s)
+def _run(geometry, *, fused, q_seq=32, kv_seq=48, q_heads=4, kv_heads=2, dim=16, seed=0):
+    """`(dq, dk, dv)` of the simulated kernels and of the reference, for random float32 inputs
+    and lse cotangents (the simulation installed by the caller)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, q_seq, q_heads, dim)).astype(np.float32)
     k, v = (rng.standard_normal((1, kv_seq, kv_heads, dim)).astype(np.float32)
@@ -438,10 +438,16 @@ def _run(install, geometry, *, fused, q_seq=32, kv_seq=48, q_heads=4, kv_heads=2
     none = jnp.zeros((1, q_heads, 0, q_seq), jnp.float32)
     config = dataclasses.replace(fh.default_config(dim), fused_dq=fused)
     got = _backward(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                      jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32),
-                      jnp.asarray(dout), jnp.asarray(dlse), none, none, scale=scale,
-                      softcap=None, geometry=geometry, tile_fn=None, config=config)
+                    jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32),
+                    jnp.asarray(dout), jnp.asarray(dlse), none, none, scale=scale,
+                    softcap=None, geometry=geometry, tile_fn=None, config=config)
     return got[:3], want
+
+
+def _assert_close(got, want):
+    for what, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0,
+                                   atol=2e-5 * max(1.0, np.abs(w).max()), err_msg=what)
 
 
 GEOMETRIES = {  # with 8-row tiles: 4 query tiles, 6 key tiles, 3 CTAs of 16 keys per kv head
@@ -456,74 +462,54 @@ GEOMETRIES = {  # with 8-row tiles: 4 query tiles, 6 key tiles, 3 CTAs of 16 key
 @pytest.mark.parametrize("fused", [True, False], ids=["dq_in_dkv", "two_kernels"])
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 def test_backward_protocol_and_gradients(simulate, name, fused):
-    got, want = _run(simulate, GEOMETRIES[name], fused=fused, seed=len(name))
-    for what, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0,
-                                   atol=2e-5 * max(1.0, np.abs(w).max()), err_msg=what)
+    simulate(seed=len(name))
+    _assert_close(*_run(GEOMETRIES[name], fused=fused, seed=len(name)))
 
 
 def test_one_query_tile_per_head_and_an_odd_stream(simulate):
     """Causal with one CTA of keys: warpgroup 1 skips the first query tile of each of its
     three heads and the stream has an odd count per head (the turn to sum dQ alternates)."""
-    got, want = _run(simulate, fh.Geometry(True, None, 0, 16, 16), fused=True, q_seq=16,
-                     kv_seq=16, q_heads=6, kv_heads=2)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0,
-                                   atol=2e-5 * max(1.0, np.abs(w).max()))
+    simulate()
+    _assert_close(*_run(fh.Geometry(True, None, 0, 16, 16), fused=True, q_seq=16, kv_seq=16,
+                        q_heads=6, kv_heads=2))
+
+
+def _mutated(monkeypatch, change):
+    """`_pallas` with `change(plgpu)` applied to the simulation's primitives."""
+    real = fh._pallas
+
+    def pallas():
+        pl, plgpu = real()
+        change(plgpu)
+        return pl, plgpu
+
+    monkeypatch.setattr(fh, "_pallas", pallas)
 
 
 def test_the_simulation_catches_a_staging_tile_rewritten_too_early(simulate, monkeypatch):
     """The model can fail: without the wait for the previous reduce-add to have read the float32
     staging tile, the other warpgroup's next dQ tile overwrites what is still being read."""
-    def run():
-        real = fh._pallas
-
-        def pallas():
-            pl, plgpu = real()
-            wait = plgpu.wait_smem_to_gmem
-            plgpu.wait_smem_to_gmem = lambda n, wait_read_only=False: (
-                None if wait_read_only else wait(n))
-            return pl, plgpu
-
-        monkeypatch.setattr(fh, "_pallas", pallas)
-        _run_no_install(GEOMETRIES["whole"])
-
-    def _run_no_install(geometry):
-        rng = np.random.default_rng(1)
-        q = jnp.asarray(rng.standard_normal((1, 32, 4, 16)), jnp.float32)
-        k = jnp.asarray(rng.standard_normal((1, 48, 2, 16)), jnp.float32)
-        lse = jnp.zeros((1, 4, 32), jnp.float32)
-        none = jnp.zeros((1, 4, 0, 32), jnp.float32)
-        _backward(q, k, k, q, lse, q, lse, none, none, scale=0.25, softcap=None,
-                    geometry=geometry, tile_fn=None,
-                    config=dataclasses.replace(fh.default_config(16), fused_dq=True))
+    def no_read_waits(plgpu):
+        wait = plgpu.wait_smem_to_gmem
+        plgpu.wait_smem_to_gmem = lambda n, wait_read_only=False: (
+            None if wait_read_only else wait(n))
 
     simulate(seed=3)
-    with pytest.raises(AssertionError, match="rewritten"):
-        run()
+    _mutated(monkeypatch, no_read_waits)
+    with pytest.raises(AssertionError, match="smem.0.7.* rewritten .* bulk copy"):
+        _run(GEOMETRIES["whole"], fused=True)
 
 
 def test_the_simulation_catches_k_restaged_before_the_last_dq_product(simulate, monkeypatch):
     """The model can fail: without the last barrier, a warpgroup stages its dK where the other
     warpgroup's last dQ product still reads K (a slow product makes it likely)."""
-    machine = simulate(seed=5, sleep_s=5e-3)
-    real = fh._pallas
+    def no_last_barrier(plgpu):
+        def skip(kind):  # both_done is the tenth barrier group of the dK/dV kernel
+            return lambda barrier: None if "smem.1.9" in barrier.name else kind(barrier)
+        plgpu.barrier_arrive = skip(plgpu.barrier_arrive)
+        plgpu.barrier_wait = skip(plgpu.barrier_wait)
 
-    def pallas():
-        pl, plgpu = real()
-        arrive, wait = plgpu.barrier_arrive, plgpu.barrier_wait
-
-        def skip_done(kind):
-            def call(barrier):
-                if "smem.1.9" in barrier.name:  # both_done: the tenth barrier group
-                    return None
-                return kind(barrier)
-            return call
-
-        plgpu.barrier_arrive, plgpu.barrier_wait = skip_done(arrive), skip_done(wait)
-        return pl, plgpu
-
-    monkeypatch.setattr(fh, "_pallas", pallas)
-    del machine
-    with pytest.raises(AssertionError, match="rewritten"):
-        _run(lambda *a: None, GEOMETRIES["whole"], fused=True, sleep_s=5e-3)
+    simulate(seed=5, sleep_s=5e-3)
+    _mutated(monkeypatch, no_last_barrier)
+    with pytest.raises(AssertionError, match=r"smem.0.0\[\d\].* rewritten .* matrix product"):
+        _run(GEOMETRIES["whole"], fused=True)
