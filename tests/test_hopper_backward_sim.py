@@ -16,7 +16,7 @@ in a second kernel), run whole on the CPU against a model of the GPU they rely o
 - the products in float64, TMA copies at once, `reduction_op="add"` as an addition.
 
 The gradients must equal a float64 NumPy reference (float32 inputs, so no bfloat16 rounding of
-P or dS). What it cannot see: registers, layouts, ptxas; the GPU tests (`test_hopper.py`) and
+P or dS), or, with a score function, `jax.vjp` of the same function in float32. What it cannot see: registers, layouts, ptxas; the GPU tests (`test_hopper.py`) and
 `tests/sanitize_hopper.py` cover those.
 """
 
@@ -380,9 +380,10 @@ def simulate(monkeypatch):
         fake_lax.fori_loop = fori_loop
         fake_lax.cond = lambda pred, t, f, *ops: t(*ops) if bool(pred) else f(*ops)
         monkeypatch.setattr(fh, "lax", fake_lax)
-        monkeypatch.setattr(fh, "jax", types.SimpleNamespace(
-            ShapeDtypeStruct=jax.ShapeDtypeStruct, new_ref=Holder,
-            freeze=lambda h: jnp.asarray(h.value)))
+        fake_jax = types.SimpleNamespace(**{n: getattr(jax, n) for n in dir(jax)
+                                            if not n.startswith("_")})
+        fake_jax.new_ref, fake_jax.freeze = Holder, lambda h: jnp.asarray(h.value)
+        monkeypatch.setattr(fh, "jax", fake_jax)
         return machine
 
     old = sys.getswitchinterval()
@@ -472,6 +473,57 @@ def test_one_query_tile_per_head_and_an_odd_stream(simulate):
     simulate()
     _assert_close(*_run(fh.Geometry(True, None, 0, 16, 16), fused=True, q_seq=16, kv_seq=16,
                         q_heads=6, kv_heads=2))
+
+
+def _column_tile(s, q_pos, kv_pos, b, h, rows, cols):
+    return (s - cols[0] + 0.01 * h.astype(jnp.float32),
+            jax.lax.rem(q_pos + kv_pos, jnp.full_like(q_pos, 3)) != 0)
+
+
+COLUMN_TILE = fh.TileFn(_column_tile, 0, 1, True, "test_hopper_backward_sim._column_tile")
+
+
+def test_a_tile_function_with_column_inputs_in_the_fused_form(simulate):
+    """A score function with per-key inputs (no per-row ones, so dQ is summed in the dK/dV
+    kernel), softcap and a causal mask: dq, dk, dv and the column inputs' gradient equal
+    `jax.vjp` of the same function in float32 at HIGHEST precision."""
+    simulate(seed=7)
+    b, q_seq, kv_seq, hq, hk, dim, softcap = 1, 32, 48, 4, 2, 16, 20.0
+    geometry = fh.Geometry(True, None, 8, 45, 32)
+    scale = dim ** -0.5
+    ks = jax.random.split(jax.random.key(7), 6)
+    q = jax.random.normal(ks[0], (b, q_seq, hq, dim))
+    k, v = (jax.random.normal(x, (b, kv_seq, hk, dim)) for x in ks[1:3])
+    cols = jax.random.normal(ks[3], (b, hq, 1, kv_seq))
+    dout = jax.random.normal(ks[4], (b, q_seq, hq, dim))
+    dlse = jax.random.normal(ks[5], (b, hq, q_seq))
+    qp = jnp.arange(q_seq)[:, None] + jnp.zeros((1, kv_seq), jnp.int32)
+    kp = jnp.arange(kv_seq)[None, :] + jnp.zeros((q_seq, 1), jnp.int32)
+
+    def reference(q, k, v, cols):
+        kf, vf = (jnp.repeat(x, hq // hk, axis=2) for x in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kf, precision="highest") * scale
+        s = jnp.tanh(s / softcap) * softcap
+        s, vis = _column_tile(s, qp, kp, None, jnp.arange(hq)[None, :, None, None], (),
+                              (cols[:, :, 0, None, :],))
+        s = jnp.where(vis & fh._geometry_visible(geometry, qp, kp), s, -jnp.inf)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision="highest"), lse
+
+    out, lse = reference(q, k, v, cols)
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+    _, pull = jax.vjp(lambda *a: (lambda o, l: (o, jnp.where(jnp.isfinite(l), l, 0.0)))(
+        *reference(*a)), q, k, v, cols)
+    want = pull((dout, dlse))
+    config = dataclasses.replace(fh.default_config(dim), fused_dq=True)
+    got = _backward(q, k, v, out, lse, dout, dlse, jnp.zeros((b, hq, 0, q_seq)), cols,
+                    scale=scale, softcap=softcap, geometry=geometry, tile_fn=COLUMN_TILE,
+                    config=config)
+    for what, g, w in zip(("dq", "dk", "dv", "dcols"), (*got[:3], got[4]), want, strict=True):
+        w = np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0,
+                                   atol=1e-4 * max(1.0, np.abs(w).max()), err_msg=what)
 
 
 def _mutated(monkeypatch, change):
