@@ -906,6 +906,27 @@ inline void AskAhead(const float* base, int64_t at, int64_t last_row) {
 // per page, two rows per key load) a core read ~14.5 GB/s of K and V (n 4, d 128, 2 threads
 // ~29); this order ~20. The arithmetic is DotTile's (Dot's two accumulators and shuffle sum,
 // Axpy in key order): the same bits.
+// The tile's scores past each row's visible keys [lo, hi) set to -inf (up to the whole tile,
+// which TileSoftmax reads), softcap on the rest: `s` [hk][n][kDecodeTile], the tile's keys
+// [j0, j0 + nk). Shared by the in-place product forms (DotTileRows, DotTileKeys and their
+// bfloat16 twins), which score every key of the tile first.
+inline void MaskTileScores(const AttentionParams& p,
+                           const std::vector<decode_detail::DecodeRows>& heads, int64_t n,
+                           int64_t j0, int64_t nk, float* s) {
+  for (int64_t hkv = 0; hkv < p.kv_heads; ++hkv) {
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t a = std::clamp<int64_t>(heads[hkv].lo[r] - j0, 0, nk);
+      const int64_t e = std::clamp<int64_t>(heads[hkv].hi[r] - j0, a, nk);
+      float* sr = s + (hkv * n + r) * kDecodeTile;
+      std::fill(sr, sr + a, -kInf);
+      std::fill(sr + e, sr + kDecodeTile, -kInf);
+      if (p.softcap > 0.0f) {
+        for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
+      }
+    }
+  }
+}
+
 template <int NV>
 inline void DotTileRows(const AttentionParams& p,
                          const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
@@ -955,18 +976,7 @@ inline void DotTileRows(const AttentionParams& p,
     }
   }
   if (queued > 0) flush();
-  for (int64_t hkv = 0; hkv < hk; ++hkv) {  // the keys a row does not see, softcap
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t a = std::clamp<int64_t>(heads[hkv].lo[r] - j0, 0, nk);
-      const int64_t e = std::clamp<int64_t>(heads[hkv].hi[r] - j0, a, nk);
-      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
-      std::fill(sr, sr + a, -kInf);
-      std::fill(sr + e, sr + kDecodeTile, -kInf);
-      if (p.softcap > 0.0f) {
-        for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
-      }
-    }
-  }
+  MaskTileScores(p, heads, n, j0, nk, s.data());
 #else
   // each kv head's rows in runs of 4, 2 or 1 that see the same keys: (first row, count)
   std::vector<std::pair<int64_t, int>> runs;
@@ -1060,17 +1070,7 @@ inline void DotTileKeys(const AttentionParams& p,
       s[hkv * kDecodeTile + j] = HorizontalSum(acc0 + acc1) * scale;
     }
   }
-  for (int64_t hkv = 0; hkv < hk; ++hkv) {
-    const DecodeRows& rows = heads[hkv];
-    const int64_t a = std::clamp<int64_t>(rows.lo[0] - j0, 0, nk);
-    const int64_t e = std::clamp<int64_t>(rows.hi[0] - j0, a, nk);
-    float* sr = s.data() + hkv * kDecodeTile;
-    std::fill(sr, sr + a, -kInf);
-    std::fill(sr + e, sr + kDecodeTile, -kInf);
-    if (p.softcap > 0.0f) {
-      for (int64_t j = a; j < e; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
-    }
-  }
+  MaskTileScores(p, heads, 1, j0, nk, s.data());
   TileSoftmax(hk, 1, kD, nk, states, s.data());
   // P V in memory order; a pair whose P is 0 is skipped (NaN or inf in a value row no row sees
   // never enters)
@@ -1145,17 +1145,7 @@ inline void DotTileKeysBf16(const AttentionParams& p,
       }
     }
   }
-  for (int64_t h = 0; h < hk; ++h) {  // the keys a row does not see, softcap
-    const DecodeRows& rows = heads[h];
-    const int64_t a = std::clamp<int64_t>(rows.lo[0] - j0, 0, nk);
-    const int64_t e = std::clamp<int64_t>(rows.hi[0] - j0, a, nk);
-    float* sr = s.data() + h * kDecodeTile;
-    std::fill(sr, sr + a, -kInf);
-    std::fill(sr + e, sr + kDecodeTile, -kInf);
-    if (p.softcap > 0.0f) {
-      for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
-    }
-  }
+  MaskTileScores(p, heads, 1, j0, nk, s.data());
   TileSoftmax(hk, 1, kD, nk, states, s.data());
   // P V in memory order; a pair whose P is 0 is skipped (NaN or inf in a value row no row sees
   // never enters)
@@ -1241,18 +1231,7 @@ inline void DotTileRowsBf16(const AttentionParams& p,
       for (int64_t r = 0; r < n; ++r) std::memcpy(sh + r * kDecodeTile, sums + r * kKeys, sizeof(float) * kKeys);
     }
   }
-  for (int64_t hkv = 0; hkv < hk; ++hkv) {  // the keys a row does not see, softcap
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t a = std::clamp<int64_t>(heads[hkv].lo[r] - j0, 0, nk);
-      const int64_t e = std::clamp<int64_t>(heads[hkv].hi[r] - j0, a, nk);
-      float* sr = s.data() + (hkv * n + r) * kDecodeTile;
-      std::fill(sr, sr + a, -kInf);
-      std::fill(sr + e, sr + kDecodeTile, -kInf);
-      if (p.softcap > 0.0f) {
-        for (int64_t i = a; i < e; ++i) sr[i] = p.softcap * std::tanh(sr[i] / p.softcap);
-      }
-    }
-  }
+  MaskTileScores(p, heads, n, j0, nk, s.data());
   TileSoftmax(hk, n, kD, nk, states, s.data());
   // P V: kValueKeys keys (hk rows apart) at a time, blocks of 64 output columns; a key whose P
   // is 0 is skipped per row (NaN or inf in a value row the row does not see never enters)
