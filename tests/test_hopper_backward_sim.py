@@ -16,8 +16,9 @@ in a second kernel), run whole on the CPU against a model of the GPU they rely o
 - the products in float64, TMA copies at once, `reduction_op="add"` as an addition.
 
 The gradients must equal a float64 NumPy reference (float32 inputs, so no bfloat16 rounding of
-P or dS), or, with a score function, `jax.vjp` of the same function in float32. What it cannot see: registers, layouts, ptxas; the GPU tests (`test_hopper.py`) and
-`tests/sanitize_hopper.py` cover those.
+P or dS), or, with a score function, `jax.vjp` of the same function in float32. What it cannot
+see: registers, layouts, ptxas; the GPU tests (`test_hopper.py`) and `tests/sanitize_hopper.py`
+cover those. The threads and mbarriers are `mbarrier_model`'s, shared with `test_hopper_walk.py`.
 """
 
 import dataclasses
@@ -29,42 +30,35 @@ import types
 
 import jax
 import jax.numpy as jnp
+import mbarrier_model
 import numpy as np
 import pytest
+from mbarrier_model import Barrier, Indexed, ProtocolError
 
 from attnaux import _flash_hopper as fh
 
 TIMEOUT_S = 10.0
 
 
-class ProtocolError(AssertionError):
-    pass
+class Machine(mbarrier_model.Machine):
+    """One simulated CTA's shared state, with a log of shared-memory writes to check reads
+    against."""
 
-
-class Machine:
     def __init__(self, seed):
-        self.cv = threading.Condition()
-        self.errors = []
-        self.local = threading.local()
-        self.writes = []  # (sequence number, memory name, key)
+        super().__init__(TIMEOUT_S)
+        self.writes = []  # (memory name, key), in order: a read remembers the length at issue
         self.lock = threading.Lock()
         self.rng = random.Random(seed)
 
-    def fail(self, message):
-        self.errors.append(message)
-        with self.cv:
-            self.cv.notify_all()
-        raise ProtocolError(message)
-
     def thread_state(self):
         local = self.local
-        if not hasattr(local, "parities"):
-            local.parities, local.products, local.copies = {}, [], []
+        if not hasattr(local, "products"):
+            local.products, local.copies = [], []
         return local
 
     def record_write(self, view):
         with self.lock:
-            self.writes.append((len(self.writes), view.mem.name, view.key()))
+            self.writes.append((view.mem.name, view.key()))
 
     def now(self):
         with self.lock:
@@ -75,7 +69,7 @@ class Machine:
         with self.lock:
             writes = list(self.writes)
         for name, key, since in reads:
-            for seq, w_name, w_key in writes[since:]:
+            for w_name, w_key in writes[since:]:
                 shorter = min(len(key), len(w_key))
                 if w_name == name and key[:shorter] == w_key[:shorter]:
                     self.fail(f"{threading.current_thread().name}: {name}{list(key)} was "
@@ -146,48 +140,6 @@ class View:
         assert idx is Ellipsis and not self.transposed
         self._sub()[...] = np.asarray(value).astype(self.mem.value.dtype)
         self.mem.m.record_write(self)
-
-
-class Barrier:
-    def __init__(self, machine, name, arrivals):
-        self.m, self.name, self.arrivals = machine, name, arrivals
-        self.count = self.completed = 0
-
-    def arrive(self):
-        with self.m.cv:
-            self.count += 1
-            if self.count == self.arrivals:
-                self.count = 0
-                self.completed += 1
-                self.m.cv.notify_all()
-
-    def wait(self):
-        parities = self.m.thread_state().parities
-        waits = parities.get(id(self), 0)
-        with self.m.cv:
-            ok = self.m.cv.wait_for(lambda: self.m.errors or self.completed > waits,
-                                    timeout=TIMEOUT_S)
-            if self.m.errors:
-                raise ProtocolError("another thread failed")
-            if not ok:
-                self.m.fail(f"{threading.current_thread().name}: deadlock waiting on "
-                            f"{self.name} (wait {waits + 1}, {self.completed} phases done)")
-            if self.completed > waits + 1:
-                self.m.fail(f"{threading.current_thread().name}: {self.name} ran "
-                            f"{self.completed - waits} phases ahead of this waiter's parity")
-        parities[id(self)] = waits + 1
-
-
-class Barriers:
-    def __init__(self, items):
-        self.items = items
-
-    @property
-    def at(self):
-        return self
-
-    def __getitem__(self, i):
-        return self.items[int(i)]
 
 
 @dataclasses.dataclass
@@ -339,7 +291,7 @@ def _allocate(machine, spec, name):
         return tuple(_allocate(machine, s, f"{name}.{i}") for i, s in enumerate(spec))
     if isinstance(spec, SmemSpec):
         return View(Mem(machine, name, np.zeros(spec.shape, jnp.dtype(spec.dtype))))
-    return Barriers([Barrier(machine, f"barrier {name}[{i}]", spec.num_arrivals)
+    return Indexed([Barrier(machine, f"barrier {name}[{i}]", spec.num_arrivals)
                      for i in range(spec.num_barriers)])
 
 
@@ -513,8 +465,11 @@ def test_a_tile_function_with_column_inputs_in_the_fused_form(simulate):
 
     out, lse = reference(q, k, v, cols)
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
-    _, pull = jax.vjp(lambda *a: (lambda o, l: (o, jnp.where(jnp.isfinite(l), l, 0.0)))(
-        *reference(*a)), q, k, v, cols)
+    def finite_lse(*args):
+        o, lse_ = reference(*args)
+        return o, jnp.where(jnp.isfinite(lse_), lse_, 0.0)
+
+    _, pull = jax.vjp(finite_lse, q, k, v, cols)
     want = pull((dout, dlse))
     config = dataclasses.replace(fh.default_config(dim), fused_dq=True)
     got = _backward(q, k, v, out, lse, dout, dlse, jnp.zeros((b, hq, 0, q_seq)), cols,

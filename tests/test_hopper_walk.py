@@ -27,85 +27,25 @@ import sys
 import threading
 import types
 
+import mbarrier_model
 import numpy as np
 import pytest
+from mbarrier_model import Barrier, Indexed, ProtocolError
 
 from attnaux import _flash_hopper as fh
 
 TIMEOUT_S = 5.0
 
 
-class ProtocolError(AssertionError):
-    pass
-
-
-class Machine:
+class Machine(mbarrier_model.Machine):
     """The shared state of one simulated CTA: barriers, slots and the products in flight."""
 
     def __init__(self):
-        self.cv = threading.Condition()
-        self.errors = []
-        self.local = threading.local()
+        super().__init__(TIMEOUT_S)
         self.reading = {}  # (thread name) -> list of commit groups, each a set of slot keys
-
-    def fail(self, message):
-        self.errors.append(message)
-        with self.cv:
-            self.cv.notify_all()
-        raise ProtocolError(message)
-
-    # -- per-thread state
-    def parities(self):
-        if not hasattr(self.local, "parities"):
-            self.local.parities = {}
-        return self.local.parities
 
     def groups(self):
         return self.reading.setdefault(threading.current_thread().name, [])
-
-
-class Barrier:
-    def __init__(self, machine, name, arrivals):
-        self.m, self.name, self.arrivals = machine, name, arrivals
-        self.count = 0
-        self.completed = 0
-
-    def arrive(self):
-        with self.m.cv:
-            self.count += 1
-            if self.count == self.arrivals:
-                self.count = 0
-                self.completed += 1
-                self.m.cv.notify_all()
-
-    def wait(self):
-        waits = self.m.parities().get(id(self), 0)
-        with self.m.cv:
-            ok = self.m.cv.wait_for(
-                lambda: self.m.errors or self.completed > waits, timeout=TIMEOUT_S)
-            if self.m.errors:
-                raise ProtocolError("another thread failed")
-            if not ok:
-                self.m.fail(f"{threading.current_thread().name}: deadlock waiting on "
-                            f"{self.name} (wait {waits + 1}, {self.completed} phases done)")
-            if self.completed > waits + 1:
-                self.m.fail(f"{threading.current_thread().name}: {self.name} ran "
-                            f"{self.completed - waits} phases ahead of this waiter's parity")
-        self.m.parities()[id(self)] = waits + 1
-
-
-class Indexed:
-    """`x.at[i]` for barrier groups and shared-memory slot arrays."""
-
-    def __init__(self, items):
-        self.items = items
-
-    @property
-    def at(self):
-        return self
-
-    def __getitem__(self, i):
-        return self.items[int(i)]
 
 
 class Slot:
