@@ -41,6 +41,7 @@ from conftest import (
     tol,
     value_and_grads,
 )
+from thread_count import assert_same_on_one_and_all_cpus
 
 import attnaux
 
@@ -450,18 +451,8 @@ def _child_env():
 
 
 def test_results_do_not_depend_on_thread_count(tmp_path):
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs at least 2 CPUs to compare against a 1-CPU run")
-    outs = {}
-    for mode in ("one", "all"):
-        path = tmp_path / f"{mode}.npz"
-        subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, mode, str(path)], check=True,
-                       env=_child_env(), timeout=300)
-        outs[mode] = np.load(path)
-    names = ["out", "lse", "max", "dq", "dk", "dv", "dbias"]
-    for i, name in enumerate(names):
-        a, b = outs["one"][f"arr_{i}"], outs["all"][f"arr_{i}"]
-        assert np.array_equal(a, b), f"{name} differs between 1 CPU and all CPUs (bitwise)"
+    assert_same_on_one_and_all_cpus(_THREADS_SCRIPT, tmp_path,
+                                    ["out", "lse", "max", "dq", "dk", "dv", "dbias"])
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""

@@ -10,9 +10,6 @@ and statistics).
 - results are bitwise independent of the thread count, float32 and bfloat16.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -21,6 +18,7 @@ import numpy as np
 import oracle
 import pytest
 from conftest import make_inputs
+from thread_count import assert_same_on_one_and_all_cpus
 
 import attnaux
 from attnaux import _ffi, _probs_cpu
@@ -157,17 +155,7 @@ _THREADS_SCRIPT = textwrap.dedent("""
 
 
 def test_probs_results_do_not_depend_on_thread_count(tmp_path):
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs at least 2 CPUs to compare against a 1-CPU run")
-    outs = {}
-    for mode in ("one", "all"):
-        path = tmp_path / f"{mode}.npz"
-        subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, mode, str(path)], check=True,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
-        outs[mode] = np.load(path)
-    names = [f"{dtype} case {c}: {n}" for dtype in ("float32", "bfloat16") for c in (0, 1)
-             for n in ("out", "lse", "probs", "dq", "dk", "dv")]
-    assert len(outs["one"].files) == len(names)
-    for i, name in enumerate(names):
-        a, b = outs["one"][f"arr_{i}"], outs["all"][f"arr_{i}"]
-        assert np.array_equal(a, b), f"{name} differs between 1 CPU and all CPUs (bitwise)"
+    assert_same_on_one_and_all_cpus(
+        _THREADS_SCRIPT, tmp_path,
+        [f"{dtype} case {c}: {n}" for dtype in ("float32", "bfloat16") for c in (0, 1)
+         for n in ("out", "lse", "probs", "dq", "dk", "dv")])
