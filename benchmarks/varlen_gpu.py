@@ -4,15 +4,18 @@
     python benchmarks/varlen_gpu.py --quick   # one shape
     python benchmarks/varlen_gpu.py --breakdown   # where the Hopper kernels' packed time goes
 
-Side by side in one run, for each (tokens, documents) with equal-length documents, causal,
-forward and forward+backward (`jax.vjp` of the output with a fixed cotangent):
+Side by side in one run, for each (tokens, documents), causal, forward and forward+backward
+(`jax.vjp` of the output with a fixed cotangent). The documents have equal lengths, or, in the
+rows marked `varied`, lengths drawn from [0.25, 1.75] x the mean (fixed seed) with `max_seqlen`
+their longest:
 
 - `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged
   layout; out + lse + max);
 - `varlen hopper`: the same call with `_dispatch.GPU_VARLEN_PREFERS_HOPPER` on (attnaux's own
   kernels, `_hopper_packed`: one packed row, visiting ranges per tile);
 - `varlen+lse`: `varlen` with a loss on `aux.lse` too (forward+backward only);
-- `batched`: `attnaux.attention` on the same documents as a batch `[n, T/n]` (cuDNN);
+- `batched`: `attnaux.attention` on the same documents as a batch `[n, T/n]` (cuDNN; equal
+  lengths only);
 - `segments`: `attnaux.attention` on one row with segment ids (on Hopper, attnaux's kernels);
 - `fa3 varlen`: FlashAttention-3's `flash_mha_varlen` from the `dew-flash-attn-cu13` wheel (its
   `dew_flash_attn` package importable; skipped otherwise).
@@ -47,13 +50,24 @@ except ImportError:  # pragma: no cover - the wheel is optional
     dew_flash_attn = None
 
 SHAPES = [(16384, 16), (16384, 64), (8192, 8), (16384, 4)]  # (tokens, documents)
+VARIED = [(16384, 16), (16384, 64)]  # the same, documents of different lengths
+
+
+def _lengths(tokens, docs, varied):
+    if not varied:
+        return np.full(docs, tokens // docs)
+    raw = np.random.default_rng(docs).uniform(0.25, 1.75, docs)
+    lengths = np.maximum(np.floor(raw / raw.sum() * tokens).astype(int), 1)
+    lengths[-1] += tokens - lengths.sum()
+    return lengths
 HEADS, DIM = 16, 128
 
 
-def _candidates(tokens, docs):
-    length = tokens // docs
-    cu = jnp.asarray(np.arange(docs + 1) * length, jnp.int32)
-    ids = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), length)[None]
+def _candidates(tokens, docs, varied=False):
+    lengths = _lengths(tokens, docs, varied)
+    length = int(lengths.max())
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    ids = jnp.asarray(np.repeat(np.arange(docs), lengths), jnp.int32)[None]
     packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length,
                   causal=True)
 
@@ -71,7 +85,9 @@ def _candidates(tokens, docs):
                                      kv_segment_ids=ids, backend="flash")
         return out[0], aux.lse
 
-    fns = {"varlen": varlen, "varlen hopper": varlen, "batched": batched, "segments": segments}
+    fns = {"varlen": varlen, "varlen hopper": varlen, "segments": segments}
+    if not varied:
+        fns["batched"] = batched
     if dew_flash_attn is not None:
         def fa3(q, k, v):
             return dew_flash_attn.flash_mha_varlen(q, k, v, cu, length, is_causal=True), None
@@ -80,21 +96,25 @@ def _candidates(tokens, docs):
 
 
 COLUMNS = ["varlen", "varlen hopper", "varlen+lse", "batched", "segments", "fa3 varlen"]
+FLAGS = {"varlen hopper": {"GPU_VARLEN_PREFERS_HOPPER": True}}
 
 
-def _compiled(jitted, args, prefer_hopper=False):
-    """`jitted` compiled for `args` with `GPU_VARLEN_PREFERS_HOPPER = prefer_hopper` at trace time
-    (the inner jits' caches cleared around a change, so that no trace of the other setting is
+def _compiled(jitted, args, name=None):
+    """`jitted` compiled for `args` with `_dispatch`'s flags of `FLAGS[name]` at trace time (the
+    inner jits' caches cleared around a change, so that no trace of the other setting is
     reused)."""
-    if prefer_hopper == _dispatch.GPU_VARLEN_PREFERS_HOPPER:
+    flags = FLAGS.get(name, {})
+    if not flags:
         return jitted.lower(*args).compile()
-    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER
-    _dispatch.GPU_VARLEN_PREFERS_HOPPER = prefer_hopper
+    saved = {f: getattr(_dispatch, f) for f in flags}
+    for f, value in flags.items():
+        setattr(_dispatch, f, value)
     jax.clear_caches()
     try:
         return jitted.lower(*args).compile()
     finally:
-        _dispatch.GPU_VARLEN_PREFERS_HOPPER = saved
+        for f, value in saved.items():
+            setattr(_dispatch, f, value)
         jax.clear_caches()
 
 
@@ -179,25 +199,26 @@ def main():
         return
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"FA3: {'yes' if dew_flash_attn is not None else 'not installed'}")
-    print("| tokens | docs | pass | " + " | ".join(COLUMNS) + " | fa3 / varlen | fa3 / hopper |")
+    print("| tokens | docs | pass | " + " | ".join(COLUMNS)
+          + " | fa3 / varlen | fa3 / hopper |")
     print("|---" * (len(COLUMNS) + 5) + "|")
-    for tokens, docs in SHAPES[:1] if args.quick else SHAPES:
+    shapes = [(t, d, False) for t, d in SHAPES] + [(t, d, True) for t, d in VARIED]
+    for tokens, docs, varied in shapes[:1] if args.quick else shapes:
         key = jax.random.key(0)
         q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (tokens, HEADS, DIM),
                                         jnp.bfloat16) for i in range(4))
         w = w.astype(jnp.float32)
-        fns = _candidates(tokens, docs)
-        fwd = timed({n: _compiled(_forward(f), (q, k, v), n == "varlen hopper")
-                     for n, f in fns.items()}, (q, k, v))
-        bwd_fns = {n: _compiled(_backward(f), (q, k, v, w), n == "varlen hopper")
-                   for n, f in fns.items()}
+        fns = _candidates(tokens, docs, varied)
+        fwd = timed({n: _compiled(_forward(f), (q, k, v), n) for n, f in fns.items()}, (q, k, v))
+        bwd_fns = {n: _compiled(_backward(f), (q, k, v, w), n) for n, f in fns.items()}
         bwd_fns["varlen+lse"] = _compiled(_backward(fns["varlen"], with_lse=True), (q, k, v, w))
         bwd = timed(bwd_fns, (q, k, v, w))
         for name, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             cells = [f"{times[n] * 1e3:.3f}" if n in times else "-" for n in COLUMNS]
             ratios = [f"{times['fa3 varlen'] / times[n]:.2f}x" if "fa3 varlen" in times else "-"
                       for n in ("varlen", "varlen hopper")]
-            print(f"| {tokens} | {docs} | {name} | " + " | ".join(cells + ratios) + " |")
+            label = f"{docs} varied" if varied else f"{docs}"
+            print(f"| {tokens} | {label} | {name} | " + " | ".join(cells + ratios) + " |")
     print("(ms, median of rounds; fa3 / x = FA3 time / x's time: > 1 means x is faster)")
 
 
