@@ -51,16 +51,18 @@ except ImportError:  # pragma: no cover - the wheel is optional
 
 SHAPES = [(16384, 16), (16384, 64), (8192, 8), (16384, 4)]  # (tokens, documents)
 VARIED = [(16384, 16), (16384, 64)]  # the same, documents of different lengths
+HEADS, DIM = 16, 128
 
 
 def _lengths(tokens, docs, varied):
+    """The documents' lengths: equal, or drawn from [0.25, 1.75] x the mean (seeded by `docs`),
+    summing to `tokens`."""
     if not varied:
         return np.full(docs, tokens // docs)
     raw = np.random.default_rng(docs).uniform(0.25, 1.75, docs)
     lengths = np.maximum(np.floor(raw / raw.sum() * tokens).astype(int), 1)
     lengths[-1] += tokens - lengths.sum()
     return lengths
-HEADS, DIM = 16, 128
 
 
 def _candidates(tokens, docs, varied=False):
@@ -199,8 +201,7 @@ def main():
         return
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"FA3: {'yes' if dew_flash_attn is not None else 'not installed'}")
-    print("| tokens | docs | pass | " + " | ".join(COLUMNS)
-          + " | fa3 / varlen | fa3 / hopper |")
+    print("| tokens | docs | pass | " + " | ".join(COLUMNS) + " | fa3 / varlen | fa3 / hopper |")
     print("|---" * (len(COLUMNS) + 5) + "|")
     shapes = [(t, d, False) for t, d in SHAPES] + [(t, d, True) for t, d in VARIED]
     for tokens, docs, varied in shapes[:1] if args.quick else shapes:
