@@ -1,8 +1,8 @@
 """The Hopper backward's kernels (`_flash_hopper.backward`: dK/dV, with dQ reduce-added inside it or
 in a second kernel), run whole on the CPU against a model of the GPU they rely on.
 
-`backward` meets the GPU only through `_pallas()` (`pl`, `plgpu`), `lax.axis_index` and
-`jax.new_ref`; here they are replaced by a simulation, and the kernels' own code runs unchanged:
+`backward` meets the GPU only through `_pallas()` (`pl`, `plgpu`) and `lax.axis_index`; here they
+are replaced by a simulation, and the kernels' own code runs unchanged:
 
 - a CTA is three Python threads (two consumer warpgroups and the producer), the grid's CTAs run
   one after another; `lax.axis_index` answers per thread;
@@ -164,10 +164,15 @@ class Acc:
 
 
 class Holder:
-    """`jax.new_ref`'s array, written in place by the simulated kernel."""
+    """A host-level `pl.run_state` ref (the fused dQ's zeroed sum, the dK/dV kernel's outputs):
+    an array the simulated kernel writes in place."""
 
     def __init__(self, value):
         self.value = np.array(value)
+
+    def __setitem__(self, idx, value):
+        assert idx is Ellipsis
+        self.value[...] = np.asarray(value)
 
 
 def make_pallas(machine, sleep_s):
@@ -186,6 +191,11 @@ def make_pallas(machine, sleep_s):
     def run_state(f):
         def run(init):
             inits = init if isinstance(init, tuple) else (init,)
+            if not hasattr(inits[0], "init"):  # arrays, outside the kernel: in-place buffers
+                holders = tuple(Holder(x) for x in inits)
+                f(holders if isinstance(init, tuple) else holders[0])
+                values = tuple(jnp.asarray(h.value) for h in holders)
+                return values if isinstance(init, tuple) else values[0]
             refs = tuple(Acc(np.broadcast_to(np.asarray(s.init, np.float64), s.shape))
                          for s in inits)
             f(refs if isinstance(init, tuple) else refs[0])
@@ -332,10 +342,6 @@ def simulate(monkeypatch):
         fake_lax.fori_loop = fori_loop
         fake_lax.cond = lambda pred, t, f, *ops: t(*ops) if bool(pred) else f(*ops)
         monkeypatch.setattr(fh, "lax", fake_lax)
-        fake_jax = types.SimpleNamespace(**{n: getattr(jax, n) for n in dir(jax)
-                                            if not n.startswith("_")})
-        fake_jax.new_ref, fake_jax.freeze = Holder, lambda h: jnp.asarray(h.value)
-        monkeypatch.setattr(fh, "jax", fake_jax)
         return machine
 
     old = sys.getswitchinterval()

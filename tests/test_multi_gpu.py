@@ -171,17 +171,20 @@ def _hopper_case(case, batch, heads, seq):
 
 @pytest.mark.parametrize("spec_name", ["batch", "heads"])
 @pytest.mark.parametrize("case", ["segment_ids", "score_mod"])
-def test_hopper_kernels_sharded_over_batch_and_heads_are_shard_local(spec_name, case):
+@pytest.mark.parametrize("dim", [64, 128])
+def test_hopper_kernels_sharded_over_batch_and_heads_are_shard_local(spec_name, case, dim):
     """The Hopper kernel calls are partitioned like the cuDNN ones: each GPU runs its shard
     (no collective in the compiled forward or gradients) and the shards see their global
-    batch and head indices (the score_mod reads both)."""
+    batch and head indices (the score_mod reads both). Head dim 64 takes the backward that
+    sums dQ inside the dK/dV kernel (reduce-adds into a `pl.run_state` buffer; `jax.new_ref`'s
+    effect could not be lowered inside `custom_partitioning`), 128 the two kernels."""
     if not ON_HOPPER:
         pytest.skip("attnaux's own kernels need a Hopper GPU")
     n = len(GPUS)
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = P("data") if spec_name == "batch" else P(None, None, "data")
     batch, heads, kv_heads, seq = 2 * n, 4 * n, 2 * n, 384
-    q, k, v = inputs(batch, seq, heads, kv_heads, 128, seed=4)
+    q, k, v = inputs(batch, seq, heads, kv_heads, dim, seed=4)
     options = dict(_hopper_case(case, batch, heads, seq), backend="flash")
     assert "Hopper" in str(ax.explain(*one_gpu(q, k, v), **options))
 

@@ -1309,10 +1309,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     dkv_extra = (extra + ([dkv_table] if dkv_table is not None else []) + info_args
                  + index_args)
     dq_extra = extra + ([dq_table] if dq_table is not None else []) + info_args + index_args
-    # the fused dQ: a zeroed float32 buffer the kernel reduce-adds into (a mutable array, so
-    # XLA aliases it to the kernel's output instead of copying)
-    dq_sum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
-    dkv = plgpu.kernel(
+    dkv_call = plgpu.kernel(
         dkv_kernel,
         out_type=tuple(dkv_out),
         grid=(kv_heads, kv_seq // (COMPUTE_WGS * bk), bsz),
@@ -1321,11 +1318,25 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         thread_name="wg",
         scratch_types=(dkv_scratch, dkv_barriers),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, dout, stats, *dkv_extra, *([dq_sum] if fused else []))
+    )
+    if fused:
+        # the fused dQ: a zeroed float32 buffer the kernel reduce-adds into, a ref of
+        # `pl.run_state` so that XLA aliases it to the kernel's output instead of copying.
+        # (`jax.new_ref` did the same under `jit`, but its effect cannot be lowered inside
+        # `custom_partitioning`, which serves the kernels under SPMD: `_partition.partitioned`.)
+        def with_dq_sum(refs):
+            dq_ref, *out_refs = refs
+            for ref, value in zip(out_refs, dkv_call(q, k, v, dout, stats, *dkv_extra, dq_ref)):
+                ref[...] = value
+
+        dq, *dkv = pl.run_state(with_dq_sum)(
+            (jnp.zeros(q.shape, jnp.float32),
+             *(jnp.zeros(o.shape, o.dtype) for o in dkv_out)))
+    else:
+        dkv = dkv_call(q, k, v, dout, stats, *dkv_extra)
     dk, dv = dkv[0], dkv[1]
     dcols = dkv[2] if n_cols else cols
     if fused:
-        dq = jax.freeze(dq_sum)
         return (dq * scale if plain else dq).astype(dtype), dk, dv, rows, dcols
 
     # ---- dQ: grid (query heads, query blocks of 128, batch); stream key tiles
