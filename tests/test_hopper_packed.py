@@ -143,9 +143,8 @@ def test_varlen_infos_match_the_padded_rules():
                             dropout_rate=0.0)
     x = jnp.zeros((1, 1, 1, 8), jnp.float32)
     options = canonicalize(x, x, x, statics).options
-    offset = (pk.lengths - pq.lengths)[pq.seq]
-    q_info = jnp.stack([pq.seq, jnp.where(pq.covered, pq.pos + offset, hpk.PAD_ROW)])[None]
-    kv_info = jnp.stack([pk.seq, jnp.where(pk.covered, pk.pos, -1)])[None]
+    q_info, kv_info = hpk.varlen_infos(pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered,
+                                       pq.lengths, pk.lengths, pk.offsets, options)
     g = hpk.geometry(options, total_q, total_kv)
     got = _packed_rule(q_info, kv_info, g)[0]
     want = np.zeros((total_q, total_kv), bool)
@@ -157,6 +156,45 @@ def test_varlen_infos_match_the_padded_rules():
         d = lk[s] - lq[s]
         want[oq[s]:oq[s] + lq[s], ok[s]:ok[s] + lk[s]] = (j <= i + d) & (j >= i + d - 20)
     np.testing.assert_array_equal(got, want)
+
+
+def _visited(table):
+    """Tiles a table's blocks visit: the sum of `hi - lo`."""
+    return int((table[..., 1] - table[..., 0]).sum())
+
+
+def test_varlen_tables_prune_documents_that_straddle_a_tile():
+    """Causal documents of different lengths (their starts fall inside tiles): the tables
+    cover every visible pair and visit no more tiles than the fewest that cover them plus one
+    per straddled boundary; with positions inside each document (the earlier infos) a block
+    that straddles two documents kept most of the second one's tiles."""
+    lengths = np.array([300, 77, 1000, 451, 129, 610, 1024, 505])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    total = int(lengths.sum()) + 64  # and some padding
+    statics = parse_statics(scale=None, causal=True, window=None, softcap=None,
+                            dropout_rate=0.0)
+    x = jnp.zeros((1, 1, 1, 8), jnp.float32)
+    options = canonicalize(x, x, x, statics).options
+    p = _packing(cu, total, int(lengths.max()))
+    infos = hpk.pad_infos(*hpk.varlen_infos(p.seq, p.pos, p.covered, p.seq, p.pos, p.covered,
+                                            p.lengths, p.lengths, p.offsets, options))
+    g = hpk.geometry(options, infos[0].shape[2], infos[1].shape[2])
+    visible = _packed_rule(*infos, g)
+    fwd, dq, dkv = (np.asarray(t) for t in hpk.tables(*infos, g, 128))
+    _check_table(fwd, visible, 64, 128, "forward")
+    _check_table(dq, visible, 64, 64, "dq")
+    _check_table(dkv, np.swapaxes(visible, 1, 2), 64, 64, "dkv")
+    # the fewest 64-key tiles per 64-row block: from its first to its last visible key's tile
+    rows = visible[0].reshape(-1, 64, visible.shape[2]).any(1)
+    fewest = sum(np.flatnonzero(r).max() // 64 - np.flatnonzero(r).min() // 64 + 1
+                 for r in rows if r.any())
+    assert _visited(dq) <= fewest, (_visited(dq), fewest)
+    # the earlier infos: positions inside each document
+    old_q = jnp.where(p.covered, p.pos, hpk.PAD_ROW)
+    old = hpk.pad_infos(jnp.stack([p.seq, old_q])[None],
+                        jnp.stack([p.seq, jnp.where(p.covered, p.pos, -1)])[None])
+    _, old_dq, _ = (np.asarray(t) for t in hpk.tables(*old, g, 128))
+    assert _visited(dq) < _visited(old_dq), (_visited(dq), _visited(old_dq))
 
 
 # ---- the wrapping of the kernels, with a pure-JAX stand-in for them (runs on CPU)

@@ -9,7 +9,9 @@ as data (`infos`, int32 `[B, 2, S]` per side):
 - a **position**: the key's position, and the row's *aligned* position (its position plus the
   bottom-right offset of its sequence), between which causal and window rules hold
   (`_flash_hopper._packed_visible`); padding is a key position of -1 and a row position of
-  `PAD_ROW`.
+  `PAD_ROW`. Only differences within a segment matter, so a sequence's positions may be
+  shifted: `varlen_infos` starts each at its first key token, which keeps the per-tile position
+  bounds tight where a tile straddles two sequences.
 
 Before the kernels, one XLA pass over per-tile summaries (min and max of segment and position
 over each 64-token tile) classifies every (query tile, key tile) pair: hidden, partial or whole
@@ -372,16 +374,33 @@ def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
     return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
 
 
-def varlen(q, k, v, q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q_lengths,
-           kv_lengths, options: Options, sink):
-    """`(out [total_q, Hq, D], lse [Hq, total_q], max [Hq, total_q])` of `varlen_attention`'s
-    packed tokens: each token's sequence and position in it (`_varlen.Packing`), the
-    sequences' lengths for the bottom-right offsets."""
+def varlen_infos(q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q_lengths,
+                 kv_lengths, kv_offsets, options: Options):
+    """`(q_info [1, 2, total_q], kv_info [1, 2, total_kv])` of `varlen_attention`'s packed
+    tokens: each token's sequence and position in it (`_varlen.Packing`), the sequences'
+    lengths for the bottom-right offsets and their key offsets.
+
+    Both sides' positions are shifted by their sequence's first key token, so a key's position
+    is its token index and a query's lies among its sequence's keys: a pair of one sequence
+    compares as before, and a query tile that straddles two sequences gets position bounds
+    that still prune the second one's later keys (with positions inside each sequence it got
+    the first one's late positions, and its causal bound kept most of the second one's key
+    tiles)."""
+    shift = kv_offsets[:-1]
     offset = (kv_lengths - q_lengths)[q_seq_of] if options.causal == 2 else 0
-    q_at = jnp.where(q_covered, q_pos + offset, PAD_ROW)
-    kv_at = jnp.where(kv_covered, kv_pos, -1)
+    q_at = jnp.where(q_covered, q_pos + offset + shift[q_seq_of], PAD_ROW)
+    kv_at = jnp.where(kv_covered, kv_pos + shift[kv_seq_of], -1)
     q_info = jnp.stack([q_seq_of.astype(jnp.int32), q_at.astype(jnp.int32)])[None]
     kv_info = jnp.stack([kv_seq_of.astype(jnp.int32), kv_at.astype(jnp.int32)])[None]
+    return q_info, kv_info
+
+
+def varlen(q, k, v, q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q_lengths,
+           kv_lengths, kv_offsets, options: Options, sink):
+    """`(out [total_q, Hq, D], lse [Hq, total_q], max [Hq, total_q])` of `varlen_attention`'s
+    packed tokens (`varlen_infos`)."""
+    q_info, kv_info = varlen_infos(q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered,
+                                   q_lengths, kv_lengths, kv_offsets, options)
     out, lse, mx = packed_attention(q[None], k[None], v[None], q_info, kv_info, options,
                                     clean=True)
     if sink is not None:

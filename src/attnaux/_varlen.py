@@ -197,7 +197,7 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
         if mode == "hopper":
             out, lse_t, max_t = _hopper_packed.varlen(
                 q, k, v, pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
-                pk.lengths, options, sink)
+                pk.lengths, pk.offsets, options, sink)
         elif mode == "ragged":
             vis = _flash_cudnn._visible_rows(
                 _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), pq.lengths,
