@@ -1,6 +1,6 @@
 """The part of the simulated Hopper GPU that `test_hopper_walk.py` (the forward's overlapped
 walk) and `test_hopper_backward_sim.py` (the backward's kernels) share: threads failing
-together, and mbarriers as Mosaic GPU uses them.
+together, mbarriers as Mosaic GPU uses them, and `pl.when` / `pl.loop` run eagerly.
 
 An mbarrier completes a phase at a fixed number of arrivals. A wait is `try_wait.parity` on the
 waiter's own parity bit (flipped at every wait, as Mosaic GPU tracks it per thread), so a
@@ -78,3 +78,16 @@ class Indexed:
 
     def __getitem__(self, i):
         return self.items[int(i)]
+
+
+def when(pred):
+    """`pl.when`, eagerly: the decorated function runs at once if `pred` holds."""
+    return lambda fn: fn() if bool(pred) else None
+
+
+def loop(lo, hi):
+    """`pl.loop`, eagerly: the decorated body runs for each index of `[lo, hi)`."""
+    def run(body):
+        for i in range(int(lo), int(hi)):
+            body(i)
+    return run

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import mbarrier_model
 import numpy as np
 import pytest
-from mbarrier_model import Barrier, Indexed, ProtocolError
+from mbarrier_model import Barrier, Indexed, ProtocolError, loop, when
 
 from attnaux import _flash_hopper as fh
 
@@ -202,15 +202,6 @@ def make_pallas(machine, sleep_s):
             retire_products()
             values = tuple(jnp.asarray(r.value, jnp.float32) for r in refs)
             return values if isinstance(init, tuple) else values[0]
-        return run
-
-    def when(pred):
-        return lambda fn: fn() if bool(pred) else None
-
-    def loop(lo, hi):
-        def run(body):
-            for i in range(int(lo), int(hi)):
-                body(i)
         return run
 
     pl = types.SimpleNamespace(run_scoped=run_scoped, run_state=run_state, when=when, loop=loop,

@@ -30,7 +30,7 @@ import types
 import mbarrier_model
 import numpy as np
 import pytest
-from mbarrier_model import Barrier, Indexed, ProtocolError
+from mbarrier_model import Barrier, Indexed, ProtocolError, loop, when
 
 from attnaux import _flash_hopper as fh
 
@@ -87,15 +87,6 @@ def make_pl(machine):
             f(ref)
             retire(machine, 0)  # leaving the scope reads the accumulator
             return ref.value
-        return run
-
-    def when(pred):
-        return lambda fn: fn() if bool(pred) else None
-
-    def loop(lo, hi):
-        def run(body):
-            for i in range(int(lo), int(hi)):
-                body(i)
         return run
 
     return types.SimpleNamespace(run_scoped=run_scoped, run_state=run_state, when=when,
