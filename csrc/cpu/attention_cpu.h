@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common/attention_params.h"
@@ -419,7 +420,9 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
     if (lane < rs.valid) {
       mx = m_row[lane];
       const float sum = l_row[lane];
-      if (hv.has_sink) {
+      if (std::isnan(sum) || std::isnan(mx)) {  // a NaN the row sees: NaN, as in the reference (not an empty row)
+        mx = lse = factor = std::numeric_limits<float>::quiet_NaN();
+      } else if (hv.has_sink) {
         const float big = std::max(mx, hv.sink);
         const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
         const float denom = scaled + std::exp(hv.sink - big);

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <immintrin.h>
@@ -256,9 +257,23 @@ inline __attribute__((always_inline)) __m512 SumLanes16(const __m512* a) {
 // lane against the rows' pairs qt2[x][W * 16] (q[2x], q[2x + 1]). With one vector of rows each
 // score is two sums (even and odd pairs) added at the end: 8 chains of VDPBF16PS are too few for
 // its latency.
+// What ScoresBf16's blocks do to their sums before storing them, when the caller asks (no softcap,
+// key indices exact as floats): times the scale, -inf where a lane's row does not see the key
+// (lanes see [lo, hi), hi already cut to the tile's end), and the running tile maximum per lane.
+// The separate passes over the stored scores cost ~8 cycles a key of a kv head at 16 rows (one
+// core, d 128); this is the same rounding and the same maximum order: the same bits.
+struct LaneScoreMask {
+  float scale = 1.0f;
+  const float* lo = nullptr;  // [np]
+  const float* hi = nullptr;  // [np]
+  float* tile_max = nullptr;  // [np], updated
+};
+
 template <int W, int kKeys>
 inline __attribute__((always_inline)) void KeyBlockBf16(int64_t pairs, const uint16_t* const* rows,
-                                                        const uint32_t* qt2, float* c) {
+                                                        const uint32_t* qt2, float* c,
+                                                        const LaneScoreMask* mask,
+                                                        float first_key) {
   constexpr int kSplit = W == 1 ? 2 : 1;
   __m512 acc[kSplit][kKeys][W];
   for (int s = 0; s < kSplit; ++s) {
@@ -282,22 +297,47 @@ inline __attribute__((always_inline)) void KeyBlockBf16(int64_t pairs, const uin
       }
     }
   }
-  for (int r = 0; r < kKeys; ++r) {
-    for (int w = 0; w < W; ++w) {
+  if (mask == nullptr) {
+    for (int r = 0; r < kKeys; ++r) {
+      for (int w = 0; w < W; ++w) {
+        __m512 sum = acc[0][r][w];
+        if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, acc[1][r][w]);
+        _mm512_storeu_ps(c + (r * W + w) * 16, sum);
+      }
+    }
+    return;
+  }
+  const __m512 scale = _mm512_set1_ps(mask->scale);
+  const __m512 minus_inf = _mm512_set1_ps(-kInf);
+  for (int w = 0; w < W; ++w) {
+    const __m512 lo = _mm512_loadu_ps(mask->lo + w * 16);
+    const __m512 hi = _mm512_loadu_ps(mask->hi + w * 16);
+    __m512 tile_max = _mm512_loadu_ps(mask->tile_max + w * 16);
+    for (int r = 0; r < kKeys; ++r) {
       __m512 sum = acc[0][r][w];
       if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, acc[1][r][w]);
-      _mm512_storeu_ps(c + (r * W + w) * 16, sum);
+      const __m512 key = _mm512_set1_ps(first_key + static_cast<float>(r));
+      const __mmask16 seen = _mm512_cmp_ps_mask(key, lo, _CMP_GE_OQ) &
+                             _mm512_cmp_ps_mask(key, hi, _CMP_LT_OQ);
+      const __m512 x = _mm512_mask_mul_ps(minus_inf, seen, sum, scale);
+      // Max(tile_max, x) of cpu_simd.h: tile_max > x ? tile_max : x (x when either is NaN)
+      tile_max = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(tile_max, x, _CMP_GT_OQ), x, tile_max);
+      _mm512_storeu_ps(c + (r * W + w) * 16, x);
     }
+    _mm512_storeu_ps(mask->tile_max + w * 16, tile_max);
   }
 }
 
 // S^T [kDecodeTile][np] = K Q^T for one kv head's bfloat16 keys [0, nk), rows `step` values
 // apart, read in place (keys past nk score key nk - 1 again: the rows past the cache's end are
-// not read; the caller masks those scores); qt2: [d / 2][np] (KeyBlockBf16). Asks for the
-// `ask_lines` lines from `ask` (LineAsk's K lines), a share with each block of keys.
+// not read; `mask`, or else the caller, masks those scores); qt2: [d / 2][np] (KeyBlockBf16).
+// With `mask`, the scores are scaled and masked and the tile maximum taken as they are stored
+// (key 0 is key `first_key` of the cache). Asks for the `ask_lines` lines from `ask` (LineAsk's
+// K lines), a share with each block of keys.
 __attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step, int64_t nk,
                                                  int64_t d, const uint32_t* qt2, int64_t np,
-                                                 float* st, const char* ask, int64_t ask_lines) {
+                                                 float* st, const char* ask, int64_t ask_lines,
+                                                 const LaneScoreMask* mask, float first_key) {
   const int64_t per_block = CeilDiv(ask_lines, kDecodeTile / 8);
   for (int64_t jb = 0; jb < kDecodeTile; jb += 8) {
     for (int64_t t = 0; t < per_block; ++t) {
@@ -307,13 +347,14 @@ __attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step
     const uint16_t* rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = k + std::min<int64_t>(jb + r, nk - 1) * step;
     float* c = st + jb * np;
+    const float key = first_key + static_cast<float>(jb);
     switch (np / kLanes) {
-      case 1: KeyBlockBf16<1, 8>(d / 2, rows, qt2, c); break;
-      case 2: KeyBlockBf16<2, 8>(d / 2, rows, qt2, c); break;
-      case 3: KeyBlockBf16<3, 8>(d / 2, rows, qt2, c); break;
+      case 1: KeyBlockBf16<1, 8>(d / 2, rows, qt2, c, mask, key); break;
+      case 2: KeyBlockBf16<2, 8>(d / 2, rows, qt2, c, mask, key); break;
+      case 3: KeyBlockBf16<3, 8>(d / 2, rows, qt2, c, mask, key); break;
       default:
-        KeyBlockBf16<4, 4>(d / 2, rows, qt2, c);
-        KeyBlockBf16<4, 4>(d / 2, rows + 4, qt2, c + 4 * np);
+        KeyBlockBf16<4, 4>(d / 2, rows, qt2, c, mask, key);
+        KeyBlockBf16<4, 4>(d / 2, rows + 4, qt2, c + 4 * np, mask, key + 4.0f);
         break;
     }
   }
@@ -405,29 +446,48 @@ inline void ValueRowsBf16(int64_t pairs, const uint32_t* vi, int64_t vi_step, co
   *finite = _mm512_add_ps(*finite, zero_if_finite);
 }
 
-// O' = alpha O + P V (ValueRowsBf16) for the n rows ([n][ld]) and dv columns of one kv head,
-// keys [0, nk) (past nk P is 0 and the rows are not read), asking for the lines of `ask` as it
-// goes; false when the result is not finite. P (float32, [kDecodeTile][np], rows in the lanes)
-// meets V rounded to bfloat16 (round to nearest even, VCVTNE2PS2BF16), key pairs packed per row
-// into `pp` ([kDecodeTile / 2][np]); V's key pairs interleaved into `vi` ([kDecodeTile / 2][dv];
-// past nk zero). The row sums and maxima stay those of the unrounded P.
-__attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, int64_t v_step,
-                                                 int64_t dv, const float* p, int64_t n,
-                                                 int64_t np, const float* alpha, const float* in,
-                                                 float* out, int64_t ld, const LineAsk& ask,
-                                                 uint32_t* pp, uint32_t* vi) {
-  const int64_t pairs = (nk + 1) / 2;
-  // P's key pairs: lane r of pair i holds (p[2i][r], p[2i + 1][r]) as bfloat16 (low, high)
+// A vector of rows' key pair of P rounded to bfloat16 (round to nearest even, VCVTNE2PS2BF16):
+// lane r holds (even[r], odd[r]) (low, high), the pair ValueRowsBf16 broadcasts.
+inline __attribute__((always_inline)) __m512i PackPairBf16(__m512 even, __m512 odd) {
   const __m512i by_lane = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                            16, 0);
-  for (int64_t i = 0; i < pairs; ++i) {
-    for (int64_t w = 0; w < np; w += kLanes) {
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + (2 * i + 1) * np + w),
-                                                        _mm512_loadu_ps(p + 2 * i * np + w));
-      _mm512_storeu_si512(pp + i * np + w, _mm512_permutexvar_epi16(by_lane, both));
-    }
+  return _mm512_permutexvar_epi16(by_lane, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// P = exp(S - m) for one vector of rows (columns [v, v + kLanes)) of a tile's S^T
+// ([kDecodeTile][np]), in place, and P's key pairs into `pp` ([kDecodeTile / 2][np],
+// PackPairBf16) as they are made: one pass, not a second one over the stored P (~4 cycles a key
+// of a kv head at 16 rows). Returns the row sums, added key by key as the float32 loop adds them.
+inline VecF ExpPackBf16(float* st, int64_t np, int64_t v, VecF m_use, uint32_t* pp) {
+  VecF sum = VecF{};
+  for (int64_t j = 0; j < kDecodeTile; j += 2) {
+    float* sp = st + j * np + v;
+    const VecF even = Exp(Load(sp) - m_use);
+    sum += even;
+    const VecF odd = Exp(Load(sp + np) - m_use);
+    sum += odd;
+    Store(sp, even);
+    Store(sp + np, odd);
+    __m512 e, o;
+    std::memcpy(&e, &even, sizeof(e));
+    std::memcpy(&o, &odd, sizeof(o));
+    _mm512_storeu_si512(pp + j / 2 * np + v, PackPairBf16(e, o));
   }
+  return sum;
+}
+
+// O' = alpha O + P V (ValueRowsBf16) for the n rows ([n][ld]) and dv columns of one kv head,
+// keys [0, nk) (past nk P is 0 and the rows are not read), asking for the lines of `ask` as it
+// goes; false when the result is not finite. P meets V rounded to bfloat16: `pp` holds P's key
+// pairs ([kDecodeTile / 2][np], PackPairBf16); V's key pairs are interleaved into `vi`
+// ([kDecodeTile / 2][dv]; past nk zero). The row sums and maxima stay those of the unrounded P.
+__attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, int64_t v_step,
+                                                 int64_t dv, int64_t n, int64_t np,
+                                                 const float* alpha, const float* in, float* out,
+                                                 int64_t ld, const LineAsk& ask,
+                                                 const uint32_t* pp, uint32_t* vi) {
+  const int64_t pairs = (nk + 1) / 2;
   // V's key pairs: vi[i][x] = (v[2i][x], v[2i + 1][x])
   const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41,
                                               9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2,
@@ -509,13 +569,20 @@ __attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, 
   return _mm512_cmpneq_ps_mask(finite, _mm512_setzero_ps()) == 0;
 }
 #else
-inline bool ValuesBf16(int64_t, const uint16_t*, int64_t, int64_t, const float*, int64_t, int64_t,
-                       const float*, const float*, float*, int64_t, const LineAsk&, uint32_t*,
-                       uint32_t*) {
+inline bool ValuesBf16(int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                       const float*, const float*, float*, int64_t, const LineAsk&,
+                       const uint32_t*, uint32_t*) {
   return false;
 }
+inline VecF ExpPackBf16(float*, int64_t, int64_t, VecF, uint32_t*) { return VecF{}; }
+struct LaneScoreMask {
+  float scale = 1.0f;
+  const float* lo = nullptr;
+  const float* hi = nullptr;
+  float* tile_max = nullptr;
+};
 inline void ScoresBf16(const uint16_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t,
-                       float*, const char*, int64_t) {}
+                       float*, const char*, int64_t, const LaneScoreMask*, float) {}
 template <int kChunks>
 void ScoresBf16Rows4(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                      float*, const char*, int64_t) {}
@@ -1513,6 +1580,10 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       for (int64_t hkv = 0; hkv < hk; ++hkv) {
         const DecodeRows& rows = heads[hkv];
         LineAsk next_ask;  // bf16_lanes: this kv head's share of the next tile (of the task)
+        // ScoresBf16 masks the scores and takes the tile maximum (LaneScoreMask): hi cut to the
+        // tile's end, the maximum per lane
+        bool lane_masked = false;
+        float hi_cut[kDecodeMaxRows], lane_max[kDecodeMaxRows];
         const float* kh = in_place
             ? static_cast<const float*>(p.k) + ((b * p.kv_len + j0) * hk + hkv) * d
             : kstage.data() + hkv * kDecodeTile * dp;
@@ -1578,14 +1649,28 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
             ScoresBf16Rows4<8>(kb, hk * d, nk, rows.qb.data(), n, np, st.data(), k_ask,
                                  k_ask_lines);
           } else {
+            lane_masked = p.softcap == 0.0f && exact_keys;
+            LaneScoreMask lane_mask;
+            if (lane_masked) {
+              const float tile_end = static_cast<float>(j1);
+              for (int64_t r = 0; r < np; ++r) {
+                hi_cut[r] = std::min(range_hi[hkv * np + r], tile_end);
+                lane_max[r] = -kInf;
+              }
+              lane_mask.scale = p.scale;
+              lane_mask.lo = range_lo.data() + hkv * np;
+              lane_mask.hi = hi_cut;
+              lane_mask.tile_max = lane_max;
+            }
             ScoresBf16(kb, hk * d, nk, d, qt2.data() + hkv * (d / 2) * np, np, st.data(), k_ask,
-                       k_ask_lines);
+                       k_ask_lines, lane_masked ? &lane_mask : nullptr,
+                       static_cast<float>(j0));
           }
         } else {
           GemmKeyRows(k_step, kDecodeTile, d, kh, qt.data() + hkv * d * np, np,
                       np / kLanes, st.data(), np);
         }
-        if (masked) {
+        if (masked || lane_masked) {
           // done by the products
         } else if (p.softcap > 0.0f || !exact_keys) {
           for (int64_t j = 0; j < kDecodeTile; ++j) {
@@ -1620,7 +1705,9 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         float alphas[kDecodeMaxRows];  // every vector of rows' (bf16_lanes)
         for (int64_t v = 0; v < np; v += kLanes) {
           VecF tile_max = mask.tile_max;
-          if (!masked) {
+          if (lane_masked) {
+            tile_max = Load(lane_max + v);
+          } else if (!masked) {
             tile_max = Splat(-kInf);
             for (int64_t j = 0; j < kDecodeTile; ++j) tile_max = Max(tile_max, Load(st.data() + j * np + v));
           }
@@ -1629,11 +1716,15 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           const VecF m_use = m_new == -kInf ? VecF{} : m_new;
           const VecF alpha = Exp(m_old - m_use);
           VecF sum = VecF{};
-          for (int64_t j = 0; j < kDecodeTile; ++j) {
-            float* sp = st.data() + j * np + v;
-            const VecF pr = Exp(Load(sp) - m_use);
-            sum += pr;
-            Store(sp, pr);
+          if (bf16_lanes) {  // P's key pairs for ValuesBf16 as P is made (one pass, not two)
+            sum = ExpPackBf16(st.data(), np, v, m_use, pairs_p.data());
+          } else {
+            for (int64_t j = 0; j < kDecodeTile; ++j) {
+              float* sp = st.data() + j * np + v;
+              const VecF pr = Exp(Load(sp) - m_use);
+              sum += pr;
+              Store(sp, pr);
+            }
           }
           Store(l + v, Load(l + v) * alpha + sum);
           Store(m + v, m_new);
@@ -1648,8 +1739,8 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           const uint16_t* vb =
               static_cast<const uint16_t*>(p.v) + ((b * p.kv_len + j0) * hk + hkv) * dv;
           float* next = ot.data() + ((1 - o_second[hkv]) * hk + hkv) * dvp * np;
-          const bool finite = ValuesBf16(nk, vb, hk * dv, dv, st.data(), n, np, alphas, oth, next,
-                                         dvp, next_ask, pairs_p.data(), pairs_v.data());
+          const bool finite = ValuesBf16(nk, vb, hk * dv, dv, n, np, alphas, oth, next, dvp,
+                                         next_ask, pairs_p.data(), pairs_v.data());
           o_second[hkv] ^= 1;
           if (!finite) {  // NaN or inf somewhere: only the keys a row sees (P unrounded)
             for (int64_t r = 0; r < n; ++r) {
@@ -1740,6 +1831,8 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       if (!rows.valid[r]) {
         mx = -kInf;
         lse = has_sink ? sink : -kInf;
+      } else if (std::isnan(sum) || std::isnan(mx)) {  // a NaN the row sees: NaN, as in the reference (not an empty row)
+        mx = lse = factor = std::numeric_limits<float>::quiet_NaN();
       } else if (has_sink) {
         const float big = std::max(mx, sink);
         const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);

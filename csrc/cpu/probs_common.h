@@ -237,6 +237,10 @@ struct RowStats {
 };
 
 inline RowStats RowStatistics(const HeadRows& hr, float m, float sum) {
+  if (std::isnan(sum) || std::isnan(m)) {  // a NaN the row sees: NaN, as in the reference; P NaN too
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    return {nan, nan, nan};
+  }
   const bool live = m != -kInfP && sum > 0.0f;
   if (hr.has_sink) {
     const float big = std::max(m, hr.sink);

@@ -38,8 +38,10 @@
 #define ATTNAUX_CSRC_CPU_PROBS_CPU_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -568,7 +570,9 @@ inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, cons
     shift[lane] = kInf;
     scale[lane] = 0.0f;
     if (lane < valid) {
-      if (hv.has_sink) {
+      if (std::isnan(sum) || std::isnan(mx)) {  // a NaN the row sees: NaN, as in the reference; P NaN too
+        value = shift[lane] = scale[lane] = std::numeric_limits<float>::quiet_NaN();
+      } else if (hv.has_sink) {
         const float big = std::max(mx, hv.sink);
         const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
         const float total = scaled + std::exp(hv.sink - big);
