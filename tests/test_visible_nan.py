@@ -28,6 +28,8 @@ FORMS = {
     "decode_lanes_bf16": ("flash", (1, 4, 300, 8, 2, 128), jnp.bfloat16),
     "probs": ("probs", (1, 40, 50, 2, 2, 32), jnp.float32),
     "small_seq": ("small_seq", (1, 1, 16, 2, 2, 32), jnp.float32),
+    # segment ids: on a Hopper GPU attnaux's own kernels (Pallas Mosaic GPU) serve them
+    "segments_bf16": ("flash", (1, 128, 128, 2, 2, 64), jnp.bfloat16),
 }
 
 
@@ -42,6 +44,9 @@ def test_a_visible_nan_makes_its_row_nan(form, sink):
     k = k.at[:, poisoned, 0, 3].set(jnp.nan)  # kv head 0 only
     sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32) if sink else None
     options = dict(causal="bottom_right", sink=sinks)
+    if form.startswith("segments"):  # one document of every token but the first
+        segments = jnp.asarray(np.minimum(np.arange(skv), 1)[None], jnp.int32)
+        options.update(q_segment_ids=segments[:, skv - sq:], kv_segment_ids=segments)
     try:
         out, aux = jax.jit(lambda q, k, v: ax.attention(q, k, v, backend=backend,
                                                         **options))(q, k, v)

@@ -767,14 +767,19 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
                 pl.when(wg == 0)(take_turn)
 
             seen = denom > 0.0
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)
+            # a NaN the row sees (its P and sum NaN): out, lse and max NaN, as in the reference,
+            # not the zeros and -inf of a row that sees no key
+            broken = denom != denom
+            empty = jnp.where(broken, jnp.nan, -jnp.inf)
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0),
+                            jnp.where(broken, jnp.nan, 0.0))
             out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
             qo_smem[...] = out.astype(dtype)
             row_max = m * scale if plain else m
-            lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+            lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), empty)
             stat_smem = stat_smem2.at[wg]
             stat_smem.at[0][...] = lse
-            stat_smem.at[1][...] = jnp.where(seen, row_max, -jnp.inf)
+            stat_smem.at[1][...] = jnp.where(seen, row_max, empty)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q0, block_q), h])
             plgpu.copy_smem_to_gmem(stat_smem.at[0], lse_ref.at[b, h, pl.ds(q0, block_q)])
