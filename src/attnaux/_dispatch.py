@@ -67,10 +67,11 @@ documents, 16 heads x 128, bf16, the forward took 0.24 ms on an H200, where the 
 taken 4.9 ms on an H100."""
 GPU_VARLEN_PREFERS_HOPPER = False
 """Whether `varlen_attention` on GPU `flash` takes attnaux's Hopper kernels before cuDNN's ragged
-layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H200, causal, 16 heads x 128, bf16,
-4-64 documents): cuDNN's ragged layout was 1.2-2.1x faster forward and 1.3-1.6x
-forward+backward (FA3 / ragged 0.70-0.75x forward, 0.76-0.82x forward+backward; FA3 / Hopper
-kernels 0.35-0.64x, 0.53-0.63x). The Hopper kernels serve what the ragged layout cannot."""
+layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H100, causal, 16 heads x 128, bf16,
+4-64 documents of equal and of varied lengths, 2026-11-26, eighth session): cuDNN's ragged
+layout was 1.08-1.64x faster forward and 1.21-1.40x forward+backward (FA3 / ragged 0.72-0.84x
+forward, 0.81-0.87x forward+backward; FA3 / Hopper kernels 0.48-0.72x, 0.59-0.67x). The Hopper
+kernels serve what the ragged layout cannot."""
 SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
 """Whether a backend can fill `aux.probs` (on every platform)."""
 SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
