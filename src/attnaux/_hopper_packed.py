@@ -247,7 +247,7 @@ def _call(st: _Static, q, k, v, infos, tabs, rng):
         # without a visible pair, but a masked P = 0 still meets V in the P V product (0 * NaN).
         # The backward's products meet q and k too (`_call_fwd`). Each zeroing is a pass over
         # its tensor (read and write): two of three passes fewer when nothing differentiates.
-        v = _cleaned(q, k, v, *infos)[2]
+        v = _cleaned_keys(v, infos[1])
     return _ops(st)[0](q, k, v, *infos, *tabs, rng)
 
 
@@ -286,12 +286,17 @@ def pad_infos(q_info, kv_info):
     return q_info, kv_info
 
 
+def _cleaned_keys(x, kv_info):
+    """Keys (or values) with their padding tokens zeroed."""
+    keep = (kv_info[:, 1] >= 0)[:, :, None, None]
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
 def _cleaned(q, k, v, q_info, kv_info):
     """q, k and v with their padding tokens zeroed."""
     q_keep = (q_info[:, 1] != PAD_ROW)[:, :, None, None]
-    kv_keep = (kv_info[:, 1] >= 0)[:, :, None, None]
-    return tuple(jnp.where(keep, x, jnp.zeros((), x.dtype))
-                 for keep, x in ((q_keep, q), (kv_keep, k), (kv_keep, v)))
+    return (jnp.where(q_keep, q, jnp.zeros((), q.dtype)), _cleaned_keys(k, kv_info),
+            _cleaned_keys(v, kv_info))
 
 
 def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state=None,
