@@ -420,7 +420,8 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
     if (lane < rs.valid) {
       mx = m_row[lane];
       const float sum = l_row[lane];
-      if (std::isnan(sum) || std::isnan(mx)) {  // a NaN the row sees: NaN, as in the reference (not an empty row)
+      if (std::isnan(sum) || std::isnan(mx)) {
+        // A NaN the row sees: NaN, as in the reference (not an empty row)
         mx = lse = factor = std::numeric_limits<float>::quiet_NaN();
       } else if (hv.has_sink) {
         const float big = std::max(mx, hv.sink);

@@ -237,7 +237,8 @@ struct RowStats {
 };
 
 inline RowStats RowStatistics(const HeadRows& hr, float m, float sum) {
-  if (std::isnan(sum) || std::isnan(m)) {  // a NaN the row sees: NaN, as in the reference; P NaN too
+  if (std::isnan(sum) || std::isnan(m)) {
+    // A NaN the row sees: NaN, as in the reference; P NaN too
     const float nan = std::numeric_limits<float>::quiet_NaN();
     return {nan, nan, nan};
   }

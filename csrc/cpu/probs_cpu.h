@@ -570,7 +570,8 @@ inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, cons
     shift[lane] = kInf;
     scale[lane] = 0.0f;
     if (lane < valid) {
-      if (std::isnan(sum) || std::isnan(mx)) {  // a NaN the row sees: NaN, as in the reference; P NaN too
+      if (std::isnan(sum) || std::isnan(mx)) {
+        // A NaN the row sees: NaN, as in the reference; P NaN too
         value = shift[lane] = scale[lane] = std::numeric_limits<float>::quiet_NaN();
       } else if (hv.has_sink) {
         const float big = std::max(mx, hv.sink);

@@ -86,7 +86,8 @@ struct RowStats {
 
 __device__ __forceinline__ RowStats RowStatistics(const AttentionParams& a, int64_t h, float m,
                                                   float sum) {
-  if (isnan(sum) || isnan(m)) {  // a NaN the row sees: NaN, as in the reference; P NaN too
+  if (isnan(sum) || isnan(m)) {
+    // A NaN the row sees: NaN, as in the reference; P NaN too
     const float nan = __int_as_float(0x7fc00000);
     return {nan, nan, nan};
   }
