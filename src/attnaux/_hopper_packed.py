@@ -173,8 +173,8 @@ class _Static:
     geometry: hopper.Geometry
     config: hopper.Config
     dropout: float | None = None  # the rate; the kernels then take the 12-word block state
-    # zero the padding tokens inside the call (`_call`): V alone for a forward that is not
-    # differentiated, q, k and v when it is (`_call_fwd`)
+    # zero the padding tokens (the call may hold NaN there): `_call` zeroes V alone for a
+    # forward that is not differentiated, q, k and v when it is (`_call_fwd`)
     clean: bool = False
 
 
@@ -299,12 +299,11 @@ def _cleaned(q, k, v, q_info, kv_info):
             _cleaned_keys(v, kv_info))
 
 
-def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state=None,
-              clean_in_call: bool = False):
+def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state=None):
     """`(st, q, k, v, infos, tables, rng)` of a call, as the kernels take it: q, k and v
-    cleaned (`clean`; by `_call` instead with `clean_in_call`) and padded to the kernels'
-    multiple of 128, the token infos padded with padding tokens, the static setting, the
-    visiting ranges and, with dropout, the block state (else an absent `(0,)`)."""
+    padded to the kernels' multiple of 128, the token infos padded with padding tokens, the
+    static setting (`st.clean`: the padding is to be zeroed, `_call` does it), the visiting
+    ranges and, with dropout, the block state (else an absent `(0,)`)."""
     dropout = options.dropout_rate if options.dropout_rate > 0 else None
     if dropout is not None:
         if rng_state is None or rng_state.shape[0] not in (4, 12):
@@ -313,14 +312,11 @@ def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state
         rng = block_state(rng_state, q, k)
     else:
         rng = jnp.zeros((0,), jnp.uint32)
-    if clean and not clean_in_call:
-        q, k, v = _cleaned(q, k, v, q_info, kv_info)
     qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
     infos = pad_infos(q_info, kv_info)
     g = geometry(options, qp.shape[1], kp.shape[1])
     config = hopper.default_config(qp.shape[-1])
-    st = _Static(options.scale, options.softcap or None, g, config, dropout,
-                 clean and clean_in_call)
+    st = _Static(options.scale, options.softcap or None, g, config, dropout, clean)
     return st, qp, kp, vp, infos, tables(*infos, g, config.block_kv), rng
 
 
@@ -335,7 +331,7 @@ def packed_attention(q, k, v, q_info, kv_info, options: Options, *, clean: bool,
     block's 12) draws attnaux's keep-mask of the `[B, Hq, Sq, Skv]` problem."""
     q_seq = q.shape[1]
     st, qp, kp, vp, infos, tabs, rng = _prepared(q, k, v, q_info, kv_info, options, clean,
-                                                 rng_state, clean_in_call=True)
+                                                 rng_state)
     out, lse, mx = _call(st, qp, kp, vp, infos, tabs, rng)
     return out[:, :q_seq], lse[..., :q_seq], mx[..., :q_seq]
 
@@ -386,6 +382,8 @@ def block_backward(arrays: Canonical, options: Options, out, lse, dout, dlse):
     q_seq, kv_seq = q.shape[1], k.shape[1]
     st, qp, kp, vp, infos, tabs, rng = _prepared(q, k, arrays.v, *token_infos(arrays, options),
                                                  options, options.has_seqlens, arrays.rng_state)
+    if st.clean:  # the backward kernels called directly, not through `_call`
+        qp, kp, vp = _cleaned(qp, kp, vp, *infos)
     dq, dk, dv = _ops(st)[1](
         qp, kp, vp, *infos, *tabs, rng, _pad_tokens(out.astype(q.dtype), 1),
         _pad_tokens(lse.astype(jnp.float32), 2, -jnp.inf), _pad_tokens(dout.astype(q.dtype), 1),
