@@ -334,3 +334,33 @@ def test_the_simulation_catches_a_slot_freed_too_early(simulated, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "make_plgpu", early)
     with pytest.raises(AssertionError, match="still reads|reads it"):
         run_cta(*CASES["both_whole"])
+
+
+@pytest.mark.parametrize("n_tiles,n_heads,bsz,stream_mb,group,longest", [
+    (8, 16, 8, 0.5, 1, "last"),  # 8x1024x16x128's forward: 64 heads a section
+    (64, 16, 1, 4.0, 1, "last"),  # 1x8192x16x128: 8 heads a section
+    (4, 6, 3, 20.0, 2, "last"),  # one kv head a section, GQA pairs of query heads
+    (5, 3, 7, 5.0, 1, "first"),  # sections of 4 over 21 heads: the last one short
+    (3, 2, 1, 100.0, 1, "first"),  # streams above the budget: one head a section
+])
+def test_cta_order(n_tiles, n_heads, bsz, stream_mb, group, longest):
+    """`_cta_place` hands every (tile, batch, head) to exactly one CTA; inside a section of
+    heads the CTAs go tile by tile, longest first (`longest`), over all the section's heads;
+    and a section's heads share what fits in `L2_STREAM_BYTES`."""
+    n = n_tiles * n_heads * bsz
+    stream = int(stream_mb * 2**20)
+    tile, b, h = (np.asarray(x) for x in fh._cta_place(
+        np.arange(n, dtype=np.int32), n_tiles, n_heads, bsz, stream, group, longest))
+    places = set(zip(tile.tolist(), b.tolist(), h.tolist()))
+    assert len(places) == n and places == {
+        (t, bb, hh) for t in range(n_tiles) for bb in range(bsz) for hh in range(n_heads)}
+    heads = b * n_heads + h
+    fit = max(1, fh.L2_STREAM_BYTES // stream)
+    section = min(n_heads * bsz, 2 ** (fit.bit_length() - 1) * group)
+    sections = heads // section
+    assert (np.diff(sections) >= 0).all()  # one section after the other
+    rank = tile if longest == "first" else n_tiles - 1 - tile
+    for s in np.unique(sections):
+        mine = sections == s
+        assert (np.diff(rank[mine]) >= 0).all()  # longest first inside the section
+        assert len(np.unique(heads[mine])) * stream <= max(fh.L2_STREAM_BYTES, stream) * group

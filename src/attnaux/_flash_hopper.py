@@ -199,12 +199,45 @@ def _with_table(ranges, table_ref, b, h, block):
     return lo, hi, full_lo, full_hi
 
 
-def _longest_first(tile, n_tiles: int):
-    """The query tile a CTA takes: the last first. Under a causal mask later query tiles see
-    more keys, and the GPU starts CTAs in grid order, so the longest start in the first wave
-    and the short ones fill the tail (as FlashAttention does); elsewhere tiles cost the
-    same and the order does not matter."""
-    return jnp.int32(n_tiles - 1) - tile
+L2_STREAM_BYTES = 32 * 1024 * 1024  # what the CTAs running at once may stream through L2
+
+
+def _cta_work(n_tiles: int, n_heads: int, bsz: int, stream_bytes: int, group: int = 1,
+              longest: str = "last"):
+    """`(tile, b, h)` of this CTA, from its place in a one-dimensional grid (`"cta"`).
+
+    The GPU starts CTAs in grid order, one at a time per SM as one ends. Two things matter:
+    - **Longest first.** Under a causal mask tiles cost different amounts (`longest`: `"last"`
+      when the last tile sees the most, the forward and dQ; `"first"` for dK/dV). Starting the
+      longest first keeps every SM busy to the end. Pallas's grid puts its *last* axis first,
+      so a grid `(heads, tiles, batch)` ran each head's tiles longest first and then the next
+      head's: the tail of short tiles of every head met the next head's long ones, ~10% of
+      the causal time lost at 1024-8192 tokens (a list-schedule simulation of 132 SMs
+      agreed with the measured gap).
+    - **L2.** Every tile of one (batch, head) streams the same K and V (Q and dO for dK/dV):
+      `stream_bytes` each. The CTAs are taken in sections of heads whose streams fit in
+      `L2_STREAM_BYTES` together (FlashAttention-3's tile scheduler does the same), and inside
+      a section tile by tile, longest first, each tile over the section's heads. `group`: query
+      heads that share a stream (GQA) count once."""
+    return _cta_place(lax.axis_index("cta"), n_tiles, n_heads, bsz, stream_bytes, group,
+                      longest)
+
+
+def _cta_place(cta, n_tiles: int, n_heads: int, bsz: int, stream_bytes: int, group: int,
+               longest: str):
+    """`_cta_work` for the CTA index `cta` (int32, any shape: `tests/test_hopper_walk.py`
+    checks the order on the CPU)."""
+    heads_all = n_heads * bsz
+    fit = max(1, L2_STREAM_BYTES // max(stream_bytes, 1))
+    section = min(heads_all, (1 << (fit.bit_length() - 1)) * group)
+    i32 = jnp.int32
+    first = lax.div(cta, i32(n_tiles * section)) * i32(section)  # the section's first head
+    size = jnp.minimum(i32(section), i32(heads_all) - first)  # the last one may be short
+    within = cta - first * i32(n_tiles)
+    rank = lax.div(within, size)
+    pair = first + lax.rem(within, size)
+    tile = i32(n_tiles - 1) - rank if longest == "last" else rank
+    return tile, lax.div(pair, i32(n_heads)), lax.rem(pair, i32(n_heads))
 
 
 def _union(r0, r1):
@@ -572,6 +605,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
     table = None if tables is None else tables[0]
     overlap = config.overlap
+    n_cta_tiles = q_seq // (COMPUTE_WGS * block_q)
+    kv_stream_bytes = 2 * kv_seq * dim * q.dtype.itemsize  # K and V of one kv head
 
     def kernel(*refs):
         q_ref, k_ref, v_ref = refs[:3]
@@ -591,12 +626,10 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
         k_ready, v_ready, q_ready, k_free, v_free, turn, turn2 = barriers
-        b = lax.axis_index("batch")
-        h = lax.axis_index("heads")
+        q_tile, b, h = _cta_work(n_cta_tiles, q_heads, bsz, kv_stream_bytes, group)
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
-        cta_q0 = _longest_first(lax.axis_index("q_tiles"), q_seq // (COMPUTE_WGS * block_q)) * (
-            COMPUTE_WGS * block_q)
+        cta_q0 = q_tile * (COMPUTE_WGS * block_q)
         wg_ranges = [
             _with_table(_ranges(geometry, cta_q0 + w * block_q, cta_q0 + (w + 1) * block_q,
                                 block_kv, n_kv_tiles),
@@ -818,8 +851,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), stats, stats),
-        grid=(q_heads, q_seq // (COMPUTE_WGS * block_q), bsz),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=(n_cta_tiles * q_heads * bsz,),
+        grid_names=("cta",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=(scratch, barriers),
@@ -1073,10 +1106,12 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         if fused:
             ds_smem, dq_stage = scratch[6:]
             ds_ready, both_done = barriers[8:]
-        b = lax.axis_index("batch")
-        kvh = lax.axis_index("heads")
+        # the stream of a kv head: Q and dO of its group's query heads, and their row terms
+        k_tile, b, kvh = _cta_work(kv_seq // (COMPUTE_WGS * bk), kv_heads, bsz,
+                                   group * q_seq * (2 * dim * dtype.itemsize + 8),
+                                   longest="first")
         wg = lax.axis_index("wg")
-        cta_k0 = lax.axis_index("k_tiles") * (COMPUTE_WGS * bk)
+        cta_k0 = k_tile * (COMPUTE_WGS * bk)
         wg_ranges = [
             _with_table(_q_ranges(geometry, cta_k0 + w * bk, cta_k0 + (w + 1) * bk, bq,
                                   n_q_tiles),
@@ -1317,8 +1352,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     dkv_call = plgpu.kernel(
         dkv_kernel,
         out_type=tuple(dkv_out),
-        grid=(kv_heads, kv_seq // (COMPUTE_WGS * bk), bsz),
-        grid_names=("heads", "k_tiles", "batch"),
+        grid=(kv_seq // (COMPUTE_WGS * bk) * kv_heads * bsz,),
+        grid_names=("cta",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=(dkv_scratch, dkv_barriers),
@@ -1369,12 +1404,11 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         scratch, barriers = refs[i:]
         q_smem2, do_smem2, st_smem2, k_smem, v_smem, drow_smem2 = scratch
         q_ready, do_ready, st_ready, k_ready, v_ready, k_free, v_free = barriers
-        b = lax.axis_index("batch")
-        h = lax.axis_index("heads")
+        q_tile, b, h = _cta_work(q_seq // (COMPUTE_WGS * bq), q_heads, bsz,
+                                 2 * kv_seq * dim * dtype.itemsize, group)
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
-        cta_q0 = _longest_first(lax.axis_index("q_tiles"), q_seq // (COMPUTE_WGS * bq)) * (
-            COMPUTE_WGS * bq)
+        cta_q0 = q_tile * (COMPUTE_WGS * bq)
         wg_ranges = [
             _with_table(_ranges(geometry, cta_q0 + w * bq, cta_q0 + (w + 1) * bq, bk,
                                 n_kv_tiles),
@@ -1517,8 +1551,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     dqr = plgpu.kernel(
         dq_kernel,
         out_type=tuple(dq_out),
-        grid=(q_heads, q_seq // (COMPUTE_WGS * bq), bsz),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=(q_seq // (COMPUTE_WGS * bq) * q_heads * bsz,),
+        grid_names=("cta",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=(dq_scratch, dq_barriers),
