@@ -8,8 +8,11 @@ fixed cotangent), side by side and taking turns (`gpu_flash.timed`):
 
 - `hopper`: attnaux's Pallas kernels (`_flash_hopper.forward`, and its two backward kernels,
   dK/dV and dQ, as the VJP), called directly;
-- `cudnn`: `attnaux.attention(backend="flash")` (cuDNN through attnaux's FFI handlers, what
-  `auto` runs for plain attention on GPU);
+- `cudnn`: `attnaux.attention(backend="flash")` with `_dispatch.GPU_FORWARD_ON_HOPPER` off
+  while it is traced: cuDNN through attnaux's FFI handlers, forward and backward;
+- `flash`: `attnaux.attention(backend="flash")` as `auto` runs it for plain attention on GPU:
+  where `_dispatch.gpu_forward_on_hopper` holds, the forward on the Hopper kernel and cuDNN's
+  backward, elsewhere `cudnn`;
 - `fa3`: FlashAttention-3 (`dew_flash_attn.flash_mha`, which must be importable).
 
 TFLOP/s as FlashAttention counts them (4*b*h*s*s*d forward, halved for causal; forward+backward
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import attnaux
+from attnaux import _dispatch
 from attnaux import _flash_hopper as fh
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -68,9 +72,20 @@ def _backward(causal, saved, dout):
 hopper_attention.defvjp(_forward, _backward)
 
 
+def cudnn_attention(q, k, v, causal):
+    """`backend="flash"` traced with the Hopper forward off: cuDNN forward and backward."""
+    saved = _dispatch.GPU_FORWARD_ON_HOPPER
+    _dispatch.GPU_FORWARD_ON_HOPPER = False
+    try:
+        return attnaux.attention(q, k, v, causal=causal, backend="flash")[0]
+    finally:
+        _dispatch.GPU_FORWARD_ON_HOPPER = saved
+
+
 CANDIDATES = {
     "hopper": hopper_attention,
-    "cudnn": lambda q, k, v, c: attnaux.attention(q, k, v, causal=c, backend="flash")[0],
+    "cudnn": cudnn_attention,
+    "flash": lambda q, k, v, c: attnaux.attention(q, k, v, causal=c, backend="flash")[0],
     "fa3": lambda q, k, v, c: dew_flash_attn.flash_mha(q, k, v, is_causal=c),
 }
 

@@ -12,6 +12,8 @@ Off a GPU, `test_split_matches_the_score_program` still runs: the split of a sco
 between XLA and the kernel (`_hopper_mods.split`, `side_inputs`, `tile_fn`), evaluated in plain
 JAX, against the score programs' NumPy interpreter."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -447,3 +449,77 @@ def test_block_tables_of_a_causal_mask():
                                               [3, 4, 3, 3]])
     np.testing.assert_array_equal(fwd[0, 0], [[0, 1, 0, 0], [0, 1, 0, 0], [0, 2, 0, 1],
                                               [0, 2, 0, 1]])
+
+
+# ---- GPU flash's forward on the Hopper kernel, cuDNN's backward
+def _problem(q_seq=2048, kv_seq=2048, dim=128, **kw):
+    from attnaux._canon import canonicalize, parse_statics
+
+    q = jnp.zeros((1, q_seq, 4, dim), jnp.bfloat16)
+    k = jnp.zeros((1, kv_seq, 2, dim), jnp.bfloat16)
+    arrays = {n: kw.pop(n) for n in ("bias", "q_seqlens", "q_segment_ids", "kv_segment_ids")
+              if n in kw}
+    if kw.get("dropout_rate"):
+        arrays["key"] = jax.random.key(0)
+    return canonicalize(q, k, k, parse_statics(**{"scale": None, "causal": False,
+                                                  "window": None, "softcap": None,
+                                                  "dropout_rate": 0.0, **kw}), **arrays)
+
+
+def test_the_forward_on_hopper_rule(monkeypatch):
+    """`_dispatch.gpu_forward_on_hopper`: plain attention at head dim 128 with kv_seq >= 2048
+    only (the device check stubbed, so that the rule itself runs off a Hopper GPU too)."""
+    from attnaux import _dispatch
+
+    monkeypatch.setattr(fh, "device_unavailable", lambda q, k, v: None)
+    rule = _dispatch.gpu_forward_on_hopper
+    assert rule(_problem()) is not None
+    assert rule(_problem(causal="bottom_right", window=(256, 0))) is not None
+    assert rule(_problem(q_seq=64, kv_seq=4096, causal="bottom_right")) is not None
+    assert rule(_problem(kv_seq=1024)) is None  # cuDNN measured faster
+    assert rule(_problem(dim=64)) is None
+    assert rule(_problem(softcap=30.0)) is None
+    assert rule(_problem(dropout_rate=0.1)) is None
+    assert rule(_problem(q_seq=4096, kv_seq=2048, causal="bottom_right")) is None  # padding
+    assert rule(_problem(q_seqlens=jnp.array([100], jnp.int32))) is None
+    assert rule(_problem(bias=jnp.zeros((1, 1, 2048, 2048), jnp.float32))) is None
+    ids = jnp.zeros((1, 2048), jnp.int32)
+    assert rule(_problem(q_segment_ids=ids, kv_segment_ids=ids)) is None
+    monkeypatch.setattr(_dispatch, "GPU_FORWARD_ON_HOPPER", False)
+    assert rule(_problem()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window, q_seq, sink", [
+    (False, None, 2048, False), ("top_left", None, 2048, True),
+    ("bottom_right", None, 1000, False), ("top_left", (300, 0), 2176, False)])
+def test_flash_with_the_hopper_forward_matches_the_reference(causal, window, q_seq, sink):
+    """`attention(backend="flash")` where the forward runs on the Hopper kernel and cuDNN's
+    backward differentiates it: out, lse, max and the gradients (with an lse cotangent)
+    against `backend="reference"` in float32."""
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    kv_seq = 2048 if q_seq != 2176 else 2176
+    keys = [jax.random.fold_in(jax.random.key(3), i) for i in range(5)]
+    q = jax.random.normal(keys[0], (2, q_seq, 8, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, kv_seq, 2, 128), jnp.bfloat16) for kk in keys[1:3])
+    dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    dlse = jax.random.normal(keys[4], (2, 8, q_seq), jnp.float32)
+    kw = dict(causal=causal, window=window,
+              sink=jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32) if sink else None)
+    explained = ax.explain(q, k, v, backend="flash", **kw)
+    assert "Hopper forward" in explained.implementation, explained
+
+    def f(backend, q, k, v):
+        out, aux = ax.attention(q, k, v, backend=backend, **kw)
+        return (out, aux.lse), aux.max
+
+    got, pull, got_max = jax.vjp(functools.partial(f, "flash"), q, k, v, has_aux=True)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, pull_ref, want_max = jax.vjp(functools.partial(f, "reference"), *f32, has_aux=True)
+    _close(got[0], want[0], 3e-2, "out")
+    _close(got[1], want[1], 1e-4, "lse")
+    _close(got_max, want_max, 1e-4, "max")
+    for name, g, r in zip("qkv", pull((dout, dlse)), pull_ref((dout.astype(jnp.float32), dlse)),
+                          strict=True):
+        _close(g.astype(jnp.float32), r, 3e-2, f"d{name}")

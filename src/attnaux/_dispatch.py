@@ -72,6 +72,23 @@ layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H100, causal, 16 heads 
 layout was 1.08-1.64x faster forward and 1.21-1.40x forward+backward (FA3 / ragged 0.72-0.84x
 forward, 0.81-0.87x forward+backward; FA3 / Hopper kernels 0.48-0.72x, 0.59-0.67x). The Hopper
 kernels serve what the ragged layout cannot."""
+FLASH_HOPPER_FORWARD = Implementation(
+    types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
+                          run=_flash_cudnn.run_hopper_forward),
+    "attnaux's Hopper forward kernel (Pallas Mosaic GPU) and cuDNN's fused backward (XLA FFI, "
+    "gpu)", "attnaux",
+)
+GPU_FORWARD_ON_HOPPER = True
+GPU_HOPPER_FORWARD_HEAD_DIMS = (128,)
+GPU_HOPPER_FORWARD_MIN_KV_SEQ = 2048
+"""Where GPU `flash` runs the forward on attnaux's Hopper kernel (`_flash_hopper.forward`) and
+differentiates it with cuDNN's backward, which takes the kernel's out and lse as its residuals:
+plain attention (causal or not, bottom-right, windows, GQA, a sink; no bias, mask, segment ids,
+sequence lengths, softcap or dropout) at head dim 128 with kv_seq >= 2048. Measured on an H100
+(`benchmarks/gpu_hopper.py`, bf16, 16 heads, 2026-11-27; docs/performance.md): the Hopper forward
+was 1.0x-1.23x cuDNN's forward at 2048-16384 tokens (causal 1.1-1.23x), 0.95-0.97x at 1024
+tokens and at head dim 64; cuDNN's backward stays ahead of the Hopper kernels' (FA3 / Hopper
+forward+backward 0.71-0.78x, FA3 / cuDNN 0.80-0.91x), so the backward stays cuDNN's."""
 SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
 """Whether a backend can fill `aux.probs` (on every platform)."""
 SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
@@ -194,6 +211,27 @@ def call_statics(scale, causal, window, softcap, dropout_rate, return_probs, bac
         return_probs=_check_return_probs(return_probs),
         backend=check_backend(backend),
     )
+
+
+def gpu_forward_on_hopper(problem: Problem) -> str | None:
+    """Why GPU `flash` runs this call's forward on attnaux's Hopper kernel
+    (`GPU_HOPPER_FORWARD_MIN_KV_SEQ`), or None where cuDNN runs it."""
+    from . import _flash_hopper
+
+    a, o = problem.arrays, problem.options
+    if not GPU_FORWARD_ON_HOPPER or _flash_hopper.device_unavailable(a.q, a.k, a.v) is not None:
+        return None
+    dim, q_seq, kv_seq = a.q.shape[-1], a.q.shape[1], a.k.shape[1]
+    plain = (a.bias is None and a.mask is None and a.q_segment_ids is None
+             and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
+             and o.dropout_rate == 0)
+    if (not plain or dim not in GPU_HOPPER_FORWARD_HEAD_DIMS
+            or kv_seq < GPU_HOPPER_FORWARD_MIN_KV_SEQ or 0 in a.q.shape
+            or _flash_cudnn.padding_needed(o, q_seq, kv_seq)):
+        return None
+    return (f"forward on attnaux's Hopper kernel, backward on cuDNN's (plain attention, head "
+            f"dim {dim}, kv_seq={kv_seq} >= {GPU_HOPPER_FORWARD_MIN_KV_SEQ}: "
+            "GPU_HOPPER_FORWARD_MIN_KV_SEQ, measured faster than cuDNN's forward there)")
 
 
 def _platform() -> str:
@@ -323,6 +361,11 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
             raise ValueError(f"backend={chosen!r} cannot serve this call: {why_not}.")
     packed = ""
     impl = implementation(chosen, platform)
+    hopper_forward = (gpu_forward_on_hopper(problem)
+                      if chosen == "flash" and platform == "gpu" else None)
+    if hopper_forward is not None:
+        impl = FLASH_HOPPER_FORWARD
+        reasons["flash"] += f"; {hopper_forward}"
     if problem.arrays.q_segment_ids is not None:
         hopper_no = (_hopper_packed.unavailable(problem, platform) if GPU_PACKED_ON_HOPPER
                      else "GPU_PACKED_ON_HOPPER is off")

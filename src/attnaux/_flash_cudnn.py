@@ -137,9 +137,10 @@ class Config(NamedTuple):
     max_seqlen_kv: int = 0
     fold_lse: bool = True  # backward: `FOLD_LSE_COTANGENT` when the call was traced
     fold_kernel: bool = False  # the fold through `attnaux_fold_lse` (`FOLD_WITH_KERNEL`, built)
+    hopper_forward: bool = False  # the forward on attnaux's Hopper kernel (`_dispatch` decides)
 
 
-def _padding(options: Options, q_seq: int, kv_seq: int) -> bool:
+def padding_needed(options: Options, q_seq: int, kv_seq: int) -> bool:
     """Whether cuDNN's padding mask (with the sequence lengths) is used: when lengths were given,
     and when a bottom-right or windowed mask has q_seq > kv_seq (cuDNN needs it then)."""
     if getattr(options, "has_seqlens", True):
@@ -255,7 +256,7 @@ def _config(options: Options, q_seq: int, kv_seq: int, *, with_max: bool,
         causal=int(options.causal),
         window_left=int(options.window_left),
         window_right=int(options.window_right),
-        padding=_padding(options, q_seq, kv_seq),
+        padding=padding_needed(options, q_seq, kv_seq),
         with_max=bool(with_max),
         softcap=float(options.softcap),
         dropout_rate=float(options.dropout_rate),
@@ -468,6 +469,13 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
 def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
+    if cfg.hopper_forward:
+        # plain attention where every row sees a key (`_dispatch.gpu_forward_on_hopper`):
+        # out, lse and max as cuDNN's, and lse is what cuDNN's backward takes as its stats
+        from . import _hopper_mods
+
+        out, lse, row_max = _hopper_mods.plain_forward(cfg, q, k, v)
+        return out, lse, row_max, lse
     r = _ops(cfg)[0](q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng,
                      offsets=absent(jnp.int32))
     out, stats, row_max = r["out"], r["stats"], r["max"]
@@ -589,9 +597,13 @@ def _prepare(arrays: Canonical, options: Options, *, with_max: bool = True,
 
 
 def flash_attention_cuda(
-    arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False
+    arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False,
+    hopper_forward: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
+
+    `hopper_forward=True` (the dispatch's `gpu_forward_on_hopper` holds) runs the forward on
+    attnaux's Hopper kernel instead, and cuDNN's backward differentiates it.
 
     `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max, and
     `composite=True` pins cuDNN's composite SDPA implementation for the forward (the frontend
@@ -610,6 +622,7 @@ def flash_attention_cuda(
             out, lse = add_sink(out, none, arrays.sink)
         return out, lse, none
     cfg, core_args = _prepare(arrays, options, with_max=with_max, composite=composite)
+    cfg = cfg._replace(hopper_forward=bool(hopper_forward))
     out, lse, row_max = _core(cfg, *core_args)
     if arrays.sink is not None:
         out, lse = add_sink(out, lse, arrays.sink)
@@ -620,6 +633,13 @@ def run(arrays: Canonical, options: Options, return_probs: bool):
     """`(out, lse, max, None)` through cuDNN: the dispatch's entry (see `flash_attention_cuda`)."""
     del return_probs  # flash saves no probabilities (the dispatch never asks it to)
     return (*flash_attention_cuda(arrays, options), None)
+
+
+def run_hopper_forward(arrays: Canonical, options: Options, return_probs: bool):
+    """`run` with the forward on attnaux's Hopper kernel and cuDNN's backward (the dispatch's
+    `FLASH_HOPPER_FORWARD` row, where `gpu_forward_on_hopper` holds)."""
+    del return_probs
+    return (*flash_attention_cuda(arrays, options, hopper_forward=True), None)
 
 
 FOLLOWS_BLOCK_STATE = False

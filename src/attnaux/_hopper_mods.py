@@ -528,6 +528,21 @@ def _bwd(st, saved, cotangents):
 _kernel_call.defvjp(_fwd, _bwd)
 
 
+def plain_forward(cfg, q, k, v):
+    """`(out, lse, max)` of plain attention (no tile function, tables or dropout) on the Hopper
+    forward kernel, partitioned like `run`'s; `cfg` has `scale`, `causal`, `window_left` and
+    `window_right` (the GPU flash backend's `Config`). No VJP of its own: GPU `flash` runs it
+    inside its custom VJP and differentiates it with cuDNN's backward
+    (`_dispatch.gpu_forward_on_hopper`)."""
+    bsz, q_seq, q_heads, dim = q.shape
+    kv_seq = k.shape[1]
+    st = Static(None, None, float(cfg.scale), geometry_of(cfg, q_seq, kv_seq),
+                hopper.default_config(dim), None)
+    ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
+    out, lse, row_max = _ops(st)[0](_pad(q, 1, 128), _pad(k, 1, 128), _pad(v, 1, 128), *ids)
+    return out[:, :q_seq], lse[..., :q_seq], row_max[..., :q_seq]
+
+
 def geometry_of(options, q_seq: int, kv_seq: int) -> hopper.Geometry:
     window = None
     if options.window_left >= 0 or options.window_right >= 0:
