@@ -8,8 +8,7 @@ fixed cotangent), side by side and taking turns (`gpu_flash.timed`):
 
 - `hopper`: attnaux's Pallas kernels (`_flash_hopper.forward`, and its two backward kernels,
   dK/dV and dQ, as the VJP), called directly;
-- `cudnn`: `attnaux.attention(backend="flash")` with `_dispatch.GPU_FORWARD_ON_HOPPER` off
-  while it is traced: cuDNN through attnaux's FFI handlers, forward and backward;
+- `cudnn`: cuDNN through attnaux's FFI handlers, forward and backward (`_flash_cudnn`);
 - `flash`: `attnaux.attention(backend="flash")` as `auto` runs it for plain attention on GPU:
   where `_dispatch.gpu_forward_on_hopper` holds, the forward on the Hopper kernel and cuDNN's
   backward, elsewhere `cudnn`;
@@ -29,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 import attnaux
-from attnaux import _dispatch
+from attnaux import _flash_cudnn
 from attnaux import _flash_hopper as fh
+from attnaux._canon import canonicalize, parse_statics
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dew_flash_attn  # noqa: E402
@@ -73,13 +73,11 @@ hopper_attention.defvjp(_forward, _backward)
 
 
 def cudnn_attention(q, k, v, causal):
-    """`backend="flash"` traced with the Hopper forward off: cuDNN forward and backward."""
-    saved = _dispatch.GPU_FORWARD_ON_HOPPER
-    _dispatch.GPU_FORWARD_ON_HOPPER = False
-    try:
-        return attnaux.attention(q, k, v, causal=causal, backend="flash")[0]
-    finally:
-        _dispatch.GPU_FORWARD_ON_HOPPER = saved
+    """cuDNN forward and backward through attnaux's FFI handlers (`_flash_cudnn`, called past
+    the dispatch, which would put the forward on the Hopper kernel at some shapes)."""
+    problem = canonicalize(q, k, v, parse_statics(scale=None, causal=causal, window=None,
+                                                  softcap=None, dropout_rate=0.0))
+    return _flash_cudnn.flash_attention_cuda(problem.arrays, problem.options)[0]
 
 
 CANDIDATES = {

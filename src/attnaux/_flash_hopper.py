@@ -514,12 +514,21 @@ class Config:
     the backward sums dQ inside the dK/dV kernel (float32 bulk reduce-adds into a zeroed
     buffer, FlashAttention-3's way: 5 matrix products per tile pair) instead of a second kernel
     that recomputes S and dP (7). The fused order of the float32 additions varies from run to
-    run; `fused_dq=False` is bitwise reproducible."""
+    run; `fused_dq=False` is bitwise reproducible. `registers`: the registers a thread of the
+    consumer and of the producer warpgroups asks for (`set_max_registers`; the three
+    warpgroups' total must stay within the SM's 64K); `backward_*`: the same for the backward's
+    kernels. The backward's three stages and FlashAttention-3's 240/24 split measured 1.00-1.06x
+    forward+backward together (H100, bf16, 4x2048 and 1x8192 x16x128, 2x4096x32x64, causal and
+    not, one A/B run); the forward has no room for a third stage at head dim 128 (232584 bytes
+    of shared memory against 232448), and 240/24 there measured 0.98-1.03x, within noise."""
 
     block_kv: int = 128
     stages: int = 2
     overlap: bool = True
     fused_dq: bool = True
+    registers: tuple[int, int] = (232, 40)  # a thread's registers: consumers, producer
+    backward_stages: int = 3  # the backward's streamed tiles in flight
+    backward_registers: tuple[int, int] = (240, 24)
 
 
 def default_config(head_dim: int) -> Config:
@@ -646,7 +655,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(config.registers[0], action="increase")
             qo_smem = qo_smem2.at[wg]
             q0 = cta_q0 + wg * block_q
             own = _pick(wg, *wg_ranges)
@@ -821,7 +830,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(config.registers[1], action="decrease")
 
             def kv_tile(ref):
                 return lambda step: ref.at[b, pl.ds(step * block_kv, block_kv), kvh]
@@ -1032,7 +1041,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     stats = jnp.stack([lse2, delta - dlse.astype(jnp.float32)], axis=2)  # [B, Hq, 2, Sq]
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
-    stages = config.stages
+    stages = config.backward_stages
     bq = bk = BLOCK_Q  # 64 x 64 tiles in the backward
     # dQ summed inside the dK/dV kernel; the row inputs' gradients are row sums, which the
     # transposed tiles of that kernel would have to reduce across its warps: those stay in the
@@ -1125,7 +1134,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(config.backward_registers[0], action="increase")
             k0 = cta_k0 + wg * bk
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kvh], k_smem, k_ready.at[wg])
@@ -1294,7 +1303,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(config.backward_registers[1], action="decrease")
 
             def head_and_tile(t):
                 g = lax.div(t, jnp.maximum(n_steps, 1))
@@ -1421,7 +1430,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(config.backward_registers[0], action="increase")
             q0 = cta_q0 + wg * bq
             q_smem, do_smem, st_smem = q_smem2.at[wg], do_smem2.at[wg], st_smem2.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
@@ -1522,7 +1531,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(config.backward_registers[1], action="decrease")
 
             def kv_tile(ref):
                 return lambda step: ref.at[b, pl.ds(step * bk, bk), kvh]
