@@ -1041,12 +1041,14 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     stats = jnp.stack([lse2, delta - dlse.astype(jnp.float32)], axis=2)  # [B, Hq, 2, Sq]
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
-    stages = config.backward_stages
     bq = bk = BLOCK_Q  # 64 x 64 tiles in the backward
     # dQ summed inside the dK/dV kernel; the row inputs' gradients are row sums, which the
     # transposed tiles of that kernel would have to reduce across its warps: those stay in the
     # dQ kernel
     fused = config.fused_dq and n_rows == 0
+    # the fused dQ's dS and float32 staging tiles leave room for two stages at head dim 128
+    # (three need 232648 bytes of shared memory, of 232448)
+    stages = min(config.backward_stages, 2) if fused and dim > 64 else config.backward_stages
     # the fused dQ tile's columns per product (at head dim 128, 64 x 128 float32 beside dK's
     # and dV's accumulators spilled 690-710 bytes a thread, in halves 820-860: see
     # `default_config`)
