@@ -467,31 +467,34 @@ def _problem(q_seq=2048, kv_seq=2048, dim=128, **kw):
 
 
 def test_the_forward_on_hopper_rule(monkeypatch):
-    """`_dispatch.gpu_forward_on_hopper`: plain attention at head dim 128 with kv_seq >= 2048
+    """`_dispatch.gpu_forward_on_hopper`: causal attention at head dim 128 with kv_seq >= 2048
     only (the device check stubbed, so that the rule itself runs off a Hopper GPU too)."""
     from attnaux import _dispatch
 
     monkeypatch.setattr(fh, "device_unavailable", lambda q, k, v: None)
     rule = _dispatch.gpu_forward_on_hopper
-    assert rule(_problem()) is not None
+    causal = dict(causal="top_left")
+    assert rule(_problem(**causal)) is not None
     assert rule(_problem(causal="bottom_right", window=(256, 0))) is not None
     assert rule(_problem(q_seq=64, kv_seq=4096, causal="bottom_right")) is not None
-    assert rule(_problem(kv_seq=1024)) is None  # cuDNN measured faster
-    assert rule(_problem(dim=64)) is None
-    assert rule(_problem(softcap=30.0)) is None
-    assert rule(_problem(dropout_rate=0.1)) is None
+    assert rule(_problem()) is None  # no mask: a tie with cuDNN
+    assert rule(_problem(window=(256, 256))) is None
+    assert rule(_problem(kv_seq=1024, **causal)) is None  # cuDNN measured faster
+    assert rule(_problem(dim=64, **causal)) is None
+    assert rule(_problem(softcap=30.0, **causal)) is None
+    assert rule(_problem(dropout_rate=0.1, **causal)) is None
     assert rule(_problem(q_seq=4096, kv_seq=2048, causal="bottom_right")) is None  # padding
-    assert rule(_problem(q_seqlens=jnp.array([100], jnp.int32))) is None
-    assert rule(_problem(bias=jnp.zeros((1, 1, 2048, 2048), jnp.float32))) is None
+    assert rule(_problem(q_seqlens=jnp.array([100], jnp.int32), **causal)) is None
+    assert rule(_problem(bias=jnp.zeros((1, 1, 2048, 2048), jnp.float32), **causal)) is None
     ids = jnp.zeros((1, 2048), jnp.int32)
-    assert rule(_problem(q_segment_ids=ids, kv_segment_ids=ids)) is None
+    assert rule(_problem(q_segment_ids=ids, kv_segment_ids=ids, **causal)) is None
     monkeypatch.setattr(_dispatch, "GPU_FORWARD_ON_HOPPER", False)
-    assert rule(_problem()) is None
+    assert rule(_problem(**causal)) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, window, q_seq, sink", [
-    (False, None, 2048, False), ("top_left", None, 2048, True),
+    ("top_left", None, 2048, False), ("top_left", None, 2048, True),
     ("bottom_right", None, 1000, False), ("top_left", (300, 0), 2176, False)])
 def test_flash_with_the_hopper_forward_matches_the_reference(causal, window, q_seq, sink):
     """`attention(backend="flash")` where the forward runs on the Hopper kernel and cuDNN's

@@ -83,12 +83,13 @@ GPU_HOPPER_FORWARD_HEAD_DIMS = (128,)
 GPU_HOPPER_FORWARD_MIN_KV_SEQ = 2048
 """Where GPU `flash` runs the forward on attnaux's Hopper kernel (`_flash_hopper.forward`) and
 differentiates it with cuDNN's backward, which takes the kernel's out and lse as its residuals:
-plain attention (causal or not, bottom-right, windows, GQA, a sink; no bias, mask, segment ids,
-sequence lengths, softcap or dropout) at head dim 128 with kv_seq >= 2048. Measured on an H100
-(`benchmarks/gpu_hopper.py`, bf16, 16 heads, 2026-11-27; docs/performance.md): the Hopper forward
-was 1.0x-1.23x cuDNN's forward at 2048-16384 tokens (causal 1.1-1.23x), 0.95-0.97x at 1024
-tokens and at head dim 64; cuDNN's backward stays ahead of the Hopper kernels' (FA3 / Hopper
-forward+backward 0.71-0.78x, FA3 / cuDNN 0.80-0.91x), so the backward stays cuDNN's."""
+causal attention (top-left or bottom-right, a window and GQA allowed, a sink after; no bias,
+mask, segment ids, sequence lengths, softcap or dropout) at head dim 128 with kv_seq >= 2048.
+Measured on an H100 in two runs of `benchmarks/gpu_hopper.py` (bf16, 16 heads, 2026-11-27;
+docs/performance.md): causal, the Hopper forward took 1.04-1.14x cuDNN's speed at 2048-16384
+tokens; without a mask 0.99-1.04x (a tie: the same kernel measured up to 11% apart within one
+run), at 1024 tokens 0.92-0.96x and at head dim 64 0.91-0.93x, so cuDNN keeps those. cuDNN's
+backward stays: FA3 / Hopper forward+backward 0.69-0.81x, FA3 / cuDNN 0.79-0.92x."""
 SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
 """Whether a backend can fill `aux.probs` (on every platform)."""
 SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
@@ -224,12 +225,12 @@ def gpu_forward_on_hopper(problem: Problem) -> str | None:
     dim, q_seq, kv_seq = a.q.shape[-1], a.q.shape[1], a.k.shape[1]
     plain = (a.bias is None and a.mask is None and a.q_segment_ids is None
              and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
-             and o.dropout_rate == 0)
+             and o.dropout_rate == 0 and o.causal != 0)
     if (not plain or dim not in GPU_HOPPER_FORWARD_HEAD_DIMS
             or kv_seq < GPU_HOPPER_FORWARD_MIN_KV_SEQ or 0 in a.q.shape
             or _flash_cudnn.padding_needed(o, q_seq, kv_seq)):
         return None
-    return (f"forward on attnaux's Hopper kernel, backward on cuDNN's (plain attention, head "
+    return (f"forward on attnaux's Hopper kernel, backward on cuDNN's (causal attention, head "
             f"dim {dim}, kv_seq={kv_seq} >= {GPU_HOPPER_FORWARD_MIN_KV_SEQ}: "
             "GPU_HOPPER_FORWARD_MIN_KV_SEQ, measured faster than cuDNN's forward there)")
 
