@@ -72,7 +72,7 @@ layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H100, causal, 16 heads 
 layout was 1.08-1.64x faster forward and 1.21-1.40x forward+backward (FA3 / ragged 0.72-0.84x
 forward, 0.81-0.87x forward+backward; FA3 / Hopper kernels 0.48-0.72x, 0.59-0.67x). The Hopper
 kernels serve what the ragged layout cannot."""
-FLASH_HOPPER_FORWARD = Implementation(
+FLASH_HOPPER_FORWARD = Implementation(  # a namespace of `_flash_cudnn`'s functions
     types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
                           run=_flash_cudnn.run_hopper_forward),
     "attnaux's Hopper forward kernel (Pallas Mosaic GPU) and cuDNN's fused backward (XLA FFI, "

@@ -144,7 +144,9 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     )
     choice = choose(problem, backend, return_probs)
     ragged_no = hopper_no = "only the GPU `flash` backend reads packed sequences in place"
-    gpu_flash = choice.implementation.module is _flash_cudnn and not return_probs
+    gpu_flash = (choice.implementation in (_dispatch.implementation("flash", "gpu"),
+                                           _dispatch.FLASH_HOPPER_FORWARD)
+                 and not return_probs)
     if gpu_flash:
         hopper_no = (_hopper_packed.varlen_unavailable(q, k, v, problem.options)
                      if _dispatch.GPU_PACKED_ON_HOPPER else "GPU_PACKED_ON_HOPPER is off")
