@@ -144,3 +144,34 @@ def test_vmap_of_the_sharded_call():
     for i, each in enumerate(want):
         for name, g_, w_ in zip(("q", "k", "v", "slopes", "w"), got, each, strict=True):
             close(g_[i], w_, 1e-4, f"d{name} of element {i}")
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+def test_the_flash_forward_on_hopper_sharded(causal):
+    """`_hopper_mods.plain_forward`, the forward GPU `flash` runs on the Hopper kernel (cuDNN's
+    backward after it, `_dispatch.gpu_forward_on_hopper`), with batch and heads sharded 2 x 2:
+    no collective in the compiled program (the kernel opaque), and out, lse and max equal the
+    unsharded call and `reference` (136 query rows against 200 keys: padded to 256 inside,
+    GQA, a bottom-right offset of 64)."""
+    from attnaux import _flash_cudnn
+    from attnaux import _hopper_mods as hm
+
+    mesh = _mesh()
+    q, k, v, _, _ = _operands()
+    q = q[:, :136]
+    cfg = _flash_cudnn.Config(scale=0.3, causal=1 if causal == "top_left" else 2,
+                              window_left=-1, window_right=-1, padding=False, with_max=True)
+    run = jax.jit(lambda q, k, v: hm.plain_forward(cfg, q, k, v))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("b", None, "h")))  # noqa: E731
+    sharded = (put(q), put(k), put(v))
+    with emulated_kernels(opaque=True):
+        found = gathers_in(run.lower(*sharded).compile().as_text())
+    assert not found, f"{found} in the compiled program"
+    with emulated_kernels():
+        got = run(*sharded)
+        want = run(q, k, v)
+    r_out, r_aux = ax.attention(q, k, v, scale=0.3, causal=causal, backend="reference")
+    for name, g_, w_, r_ in zip(("out", "lse", "max"), got, want, (r_out, r_aux.lse, r_aux.max),
+                                strict=True):
+        close(g_, w_, 1e-5, name)
+        close(w_, r_, 1e-5, f"{name} against the reference")
