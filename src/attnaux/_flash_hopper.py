@@ -6,9 +6,11 @@ into a ring of shared-memory slots; the consumers run the matrix products on wgm
 on the tensor cores (a *schedule barrier*: one warpgroup's softmax overlaps the other's matrix
 products). At head dim 128 each warpgroup also overlaps itself (`_walk_overlapped`, FA3's
 intra-warpgroup overlap): the softmax of tile t runs while P(t-1) V(t-1) is on the tensor cores.
-It returns what every attnaux backend returns: out, and per row the natural-log `lse` and the
-`max` of the (modified, scaled) scores, float32. The pipeline's protocol (barrier phases, slots
-in flight) is simulated on the CPU in `tests/test_hopper_walk.py`.
+CTAs run longest first across heads, in sections of heads whose K and V fit in L2 together
+(`_cta_work`, FlashAttention-3's tile order). It returns what every attnaux backend returns: out,
+and per row the natural-log `lse` and the `max` of the (modified, scaled) scores, float32. The
+pipeline's protocol (barrier phases, slots in flight) is simulated on the CPU in
+`tests/test_hopper_walk.py`.
 
 What the kernels apply to the scores, in attnaux's order (`scale * q k^T`, `softcap`, the tile
 function, then the masks): the causal (top-left / bottom-right) and window geometry with tile
