@@ -8,6 +8,7 @@ Every implementation module offers `unavailable(problem, platform) -> str | None
 """
 
 import dataclasses
+import functools
 import types
 from typing import NamedTuple
 
@@ -17,6 +18,8 @@ import numpy as np
 from . import (
     _flash_cpu,
     _flash_cudnn,
+    _flash_hopper,
+    _hopper_mods,
     _hopper_packed,
     _probs_cpu,
     _probs_cuda,
@@ -72,9 +75,10 @@ layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H100, causal, 16 heads 
 layout was 1.08-1.64x faster forward and 1.21-1.40x forward+backward (FA3 / ragged 0.72-0.84x
 forward, 0.81-0.87x forward+backward; FA3 / Hopper kernels 0.48-0.72x, 0.59-0.67x). The Hopper
 kernels serve what the ragged layout cannot."""
-FLASH_HOPPER_FORWARD = Implementation(  # a namespace of `_flash_cudnn`'s functions
+FLASH_HOPPER_FORWARD = Implementation(  # `_flash_cudnn` with the Hopper kernel's forward
     types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
-                          run=_flash_cudnn.run_hopper_forward),
+                          run=functools.partial(_flash_cudnn.run,
+                                                forward_kernel=_hopper_mods.plain_forward)),
     "attnaux's Hopper forward kernel (Pallas Mosaic GPU) and cuDNN's fused backward (XLA FFI, "
     "gpu)", "attnaux",
 )
@@ -217,8 +221,6 @@ def call_statics(scale, causal, window, softcap, dropout_rate, return_probs, bac
 def gpu_forward_on_hopper(problem: Problem) -> str | None:
     """Why GPU `flash` runs this call's forward on attnaux's Hopper kernel
     (`GPU_HOPPER_FORWARD_MIN_KV_SEQ`), or None where cuDNN runs it."""
-    from . import _flash_hopper
-
     a, o = problem.arrays, problem.options
     if not GPU_FORWARD_ON_HOPPER or _flash_hopper.device_unavailable(a.q, a.k, a.v) is not None:
         return None

@@ -60,6 +60,7 @@ in [8, 256], and any configuration cuDNN itself rejects (asked at trace time thr
 
 import functools
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -137,7 +138,9 @@ class Config(NamedTuple):
     max_seqlen_kv: int = 0
     fold_lse: bool = True  # backward: `FOLD_LSE_COTANGENT` when the call was traced
     fold_kernel: bool = False  # the fold through `attnaux_fold_lse` (`FOLD_WITH_KERNEL`, built)
-    hopper_forward: bool = False  # the forward on attnaux's Hopper kernel (`_dispatch` decides)
+    # a kernel run in cuDNN's forward's place, `(cfg, q, k, v) -> (out, lse, max)`, its lse the
+    # backward's stats (`_dispatch.FLASH_HOPPER_FORWARD`: attnaux's Hopper kernel); None: cuDNN
+    forward_kernel: Callable | None = None
 
 
 def padding_needed(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -469,12 +472,10 @@ def _split3(x: jax.Array, dtype) -> jax.Array:
 # The differentiable core
 # ------------------------------------------------------------------------------------------------
 def _forward(cfg: Config, q, k, v, bias, q_len, kv_len, rng):
-    if cfg.hopper_forward:
+    if cfg.forward_kernel is not None:
         # plain attention where every row sees a key (`_dispatch.gpu_forward_on_hopper`):
         # out, lse and max as cuDNN's, and lse is what cuDNN's backward takes as its stats
-        from . import _hopper_mods
-
-        out, lse, row_max = _hopper_mods.plain_forward(cfg, q, k, v)
+        out, lse, row_max = cfg.forward_kernel(cfg, q, k, v)
         return out, lse, row_max, lse
     r = _ops(cfg)[0](q=q, k=k, v=v, bias=bias, q_len=q_len, kv_len=kv_len, rng=rng,
                      offsets=absent(jnp.int32))
@@ -598,12 +599,13 @@ def _prepare(arrays: Canonical, options: Options, *, with_max: bool = True,
 
 def flash_attention_cuda(
     arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False,
-    hopper_forward: bool = False,
+    forward_kernel: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
 
-    `hopper_forward=True` (the dispatch's `gpu_forward_on_hopper` holds) runs the forward on
-    attnaux's Hopper kernel instead, and cuDNN's backward differentiates it.
+    `forward_kernel` (the dispatch's `FLASH_HOPPER_FORWARD`, where `gpu_forward_on_hopper`
+    holds: attnaux's Hopper kernel) runs the forward instead of cuDNN's, `(cfg, q, k, v) ->
+    (out, lse, max)`, and cuDNN's backward differentiates it from its out and lse.
 
     `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max, and
     `composite=True` pins cuDNN's composite SDPA implementation for the forward (the frontend
@@ -622,24 +624,18 @@ def flash_attention_cuda(
             out, lse = add_sink(out, none, arrays.sink)
         return out, lse, none
     cfg, core_args = _prepare(arrays, options, with_max=with_max, composite=composite)
-    cfg = cfg._replace(hopper_forward=bool(hopper_forward))
+    cfg = cfg._replace(forward_kernel=forward_kernel)
     out, lse, row_max = _core(cfg, *core_args)
     if arrays.sink is not None:
         out, lse = add_sink(out, lse, arrays.sink)
     return out, lse, row_max
 
 
-def run(arrays: Canonical, options: Options, return_probs: bool):
+def run(arrays: Canonical, options: Options, return_probs: bool, *,
+        forward_kernel: Callable | None = None):
     """`(out, lse, max, None)` through cuDNN: the dispatch's entry (see `flash_attention_cuda`)."""
     del return_probs  # flash saves no probabilities (the dispatch never asks it to)
-    return (*flash_attention_cuda(arrays, options), None)
-
-
-def run_hopper_forward(arrays: Canonical, options: Options, return_probs: bool):
-    """`run` with the forward on attnaux's Hopper kernel and cuDNN's backward (the dispatch's
-    `FLASH_HOPPER_FORWARD` row, where `gpu_forward_on_hopper` holds)."""
-    del return_probs
-    return (*flash_attention_cuda(arrays, options, hopper_forward=True), None)
+    return (*flash_attention_cuda(arrays, options, forward_kernel=forward_kernel), None)
 
 
 FOLLOWS_BLOCK_STATE = False
