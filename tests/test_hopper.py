@@ -526,3 +526,32 @@ def test_flash_with_the_hopper_forward_matches_the_reference(causal, window, q_s
     for name, g, r in zip("qkv", pull((dout, dlse)), pull_ref((dout.astype(jnp.float32), dlse)),
                           strict=True):
         _close(g.astype(jnp.float32), r, 3e-2, f"d{name}")
+
+
+@pytest.mark.parametrize("causal, sink", [("top_left", False), ("bottom_right", True)])
+def test_the_hopper_forward_row_runs_the_forward_kernel(causal, sink):
+    """The dispatch's `FLASH_HOPPER_FORWARD` row end to end up to the kernel, on the CPU with
+    the Hopper kernel's stand-in (`tests/hopper_emulation.py`; a causal call without bias or
+    mask reaches no cuDNN graph in the forward): `_flash_cudnn.run` with the Hopper kernel in
+    cuDNN's place gives reference's out, lse and max, the sink applied after it."""
+    from hopper_emulation import close, emulated_kernels
+
+    from attnaux import _dispatch
+    from attnaux._canon import canonicalize, parse_statics
+
+    keys = [jax.random.fold_in(jax.random.key(5), i) for i in range(3)]
+    q = jax.random.normal(keys[0], (2, 136, 4, 32))
+    k, v = (jax.random.normal(kk, (2, 200, 2, 32)) for kk in keys[1:])
+    sinks = jnp.linspace(-1.0, 1.0, 4) if sink else None
+    statics = parse_statics(scale=None, causal=causal, window=None, softcap=None,
+                            dropout_rate=0.0)
+    problem = canonicalize(q, k, v, statics, sink=sinks)
+    with emulated_kernels():
+        out, lse, row_max, probs = jax.jit(
+            lambda a: _dispatch.FLASH_HOPPER_FORWARD.module.run(a, problem.options, False)
+        )(problem.arrays)
+    assert probs is None
+    want, aux = ax.attention(q, k, v, causal=causal, sink=sinks, backend="reference")
+    close(out, want, 1e-5, "out")
+    close(lse, aux.lse, 1e-5, "lse")
+    close(row_max, aux.max, 1e-5, "max")
