@@ -236,7 +236,10 @@ struct RowStats {
   float scale;
 };
 
-inline RowStats RowStatistics(const HeadRows& hr, float m, float sum) {
+// `Rows`: anything with the row's `has_sink` and `sink` (HeadRows here, the flash kernels'
+// HeadView in probs_cpu.h's BlockLse).
+template <typename Rows>
+inline RowStats RowStatistics(const Rows& hr, float m, float sum) {
   if (std::isnan(sum) || std::isnan(m)) {
     // A NaN the row sees: NaN, as in the reference; P NaN too
     const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -559,36 +559,17 @@ inline void ScaledKeyPairsOfTile(const float* rows, const VecF* factor, int64_t 
 #endif
 
 // lse of each lane from its max m and sum l = sum exp(s - m) (flash's final statistics), and
-// how P is normalised: P = e * exp(m_t - shift) * scale, dividing by the row sum (see
-// RowStatistics in probs_common.h); shift = +inf and scale = 0 where the row has no visible
+// how P is normalised: P = e * exp(m_t - shift) * scale, dividing by the row sum
+// (RowStatistics in probs_common.h); shift = +inf and scale = 0 where the row has no visible
 // key or is padding, so that P = 0 there.
 inline void BlockLse(const HeadView& hv, int64_t valid, const float* m_row, const float* l_row,
                      float* lse, float* shift, float* scale) {
   for (int64_t lane = 0; lane < kBlockQ; ++lane) {
-    const float mx = m_row[lane], sum = l_row[lane];
-    float value = hv.has_sink ? hv.sink : -kInf;
-    shift[lane] = kInf;
-    scale[lane] = 0.0f;
-    if (lane < valid) {
-      if (std::isnan(sum) || std::isnan(mx)) {
-        // A NaN the row sees: NaN, as in the reference; P NaN too
-        value = shift[lane] = scale[lane] = std::numeric_limits<float>::quiet_NaN();
-      } else if (hv.has_sink) {
-        const float big = std::max(mx, hv.sink);
-        const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
-        const float total = scaled + std::exp(hv.sink - big);
-        value = big + std::log(total);
-        if (mx != -kInf) {
-          shift[lane] = big;
-          scale[lane] = 1.0f / total;
-        }
-      } else if (mx != -kInf && sum > 0.0f) {
-        value = mx + std::log(sum);
-        shift[lane] = mx;
-        scale[lane] = 1.0f / sum;
-      }
-    }
-    lse[lane] = value;
+    RowStats stats{hv.has_sink ? hv.sink : -kInf, kInf, 0.0f};  // padding
+    if (lane < valid) stats = RowStatistics(hv, m_row[lane], l_row[lane]);
+    lse[lane] = stats.lse;
+    shift[lane] = stats.shift;
+    scale[lane] = stats.scale;
   }
 }
 
