@@ -416,26 +416,9 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
   TransposeLanes(rs.ot, dv, o_rows.data());
   for (int64_t lane = 0; lane < rs.rows_in_block; ++lane) {
     const int64_t i = rs.i0 + lane;
-    float mx = -kInf, lse = -kInf, factor = 0.0f;
-    if (lane < rs.valid) {
-      mx = m_row[lane];
-      const float sum = l_row[lane];
-      if (std::isnan(sum) || std::isnan(mx)) {
-        // A NaN the row sees: NaN, as in the reference (not an empty row)
-        mx = lse = factor = std::numeric_limits<float>::quiet_NaN();
-      } else if (hv.has_sink) {
-        const float big = std::max(mx, hv.sink);
-        const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
-        const float denom = scaled + std::exp(hv.sink - big);
-        lse = big + std::log(denom);
-        factor = mx == -kInf ? 0.0f : std::exp(mx - big) / denom;
-      } else if (mx != -kInf && sum > 0.0f) {
-        lse = mx + std::log(sum);
-        factor = 1.0f / sum;
-      }
-    } else if (hv.has_sink) {
-      lse = hv.sink;
-    }
+    RowEnd end{-kInf, hv.has_sink ? hv.sink : -kInf, 0.0f};  // a padding row
+    if (lane < rs.valid) end = FinishRow(m_row[lane], l_row[lane], hv.has_sink, hv.sink);
+    const float mx = end.max, lse = end.lse, factor = end.factor;
     const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
     outputs.lse[stat] = lse;
     outputs.max[stat] = mx;

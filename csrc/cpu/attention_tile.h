@@ -5,6 +5,7 @@
 #define ATTNAUX_CSRC_CPU_ATTENTION_TILE_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -212,6 +213,31 @@ inline bool AllFinite(const float* x, int64_t n) {
   bool ok = tail == 0.0f;
   for (int lane = 0; lane < kLanes; ++lane) ok &= acc[lane] == 0.0f;
   return ok;
+}
+
+// A real row's final statistics from its max `mx` and `sum` = sum_j exp(s_j - mx) over the keys
+// it sees (mx = -inf: none): `max` and `lse` as the kernels return them, and `factor`, what its
+// accumulated output (weighted by exp(s - mx)) is multiplied by. With a sink, the sink's term
+// joins the sum (`lse` includes it, `max` does not). A NaN the row sees gives NaN, as in the
+// reference (not an empty row). The tiled forward (attention_cpu.h) and the decode forms'
+// merge (decode_cpu.h) both end here, so their rows agree bit for bit.
+struct RowEnd {
+  float max, lse, factor;
+};
+
+inline RowEnd FinishRow(float mx, float sum, bool has_sink, float sink) {
+  if (std::isnan(sum) || std::isnan(mx)) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    return {nan, nan, nan};
+  }
+  if (has_sink) {
+    const float big = std::max(mx, sink);
+    const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
+    const float denom = scaled + std::exp(sink - big);
+    return {mx, big + std::log(denom), mx == -kInf ? 0.0f : std::exp(mx - big) / denom};
+  }
+  if (mx != -kInf && sum > 0.0f) return {mx, mx + std::log(sum), 1.0f / sum};
+  return {mx, -kInf, 0.0f};
 }
 
 // Work space of one tile (kBlockK x kBlockQ each; `words`: bfloat16 operands of the backward's

@@ -1829,28 +1829,14 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         }
       }
       const int64_t h = rows.head[r], i = rows.qi[r];
-      float lse = -kInf, factor = 0.0f;
       const bool has_sink = p.sink != nullptr;
       const float sink = has_sink ? p.sink[h] : -kInf;
-      if (!rows.valid[r]) {
-        mx = -kInf;
-        lse = has_sink ? sink : -kInf;
-      } else if (std::isnan(sum) || std::isnan(mx)) {
-        // A NaN the row sees: NaN, as in the reference (not an empty row)
-        mx = lse = factor = std::numeric_limits<float>::quiet_NaN();
-      } else if (has_sink) {
-        const float big = std::max(mx, sink);
-        const float scaled = mx == -kInf ? 0.0f : sum * std::exp(mx - big);
-        const float denom = scaled + std::exp(sink - big);
-        lse = big + std::log(denom);
-        factor = mx == -kInf ? 0.0f : std::exp(mx - big) / denom;
-      } else if (mx != -kInf && sum > 0.0f) {
-        lse = mx + std::log(sum);
-        factor = 1.0f / sum;
-      }
+      const RowEnd end = rows.valid[r] ? FinishRow(mx, sum, has_sink, sink)
+                                       : RowEnd{-kInf, has_sink ? sink : -kInf, 0.0f};
+      const float factor = end.factor;
       const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
-      outputs.lse[stat] = lse;
-      outputs.max[stat] = mx;
+      outputs.lse[stat] = end.lse;
+      outputs.max[stat] = end.max;
       for (int64_t x = 0; x < dv; ++x) out_row[x] = factor == 0.0f ? 0.0f : out_row[x] * factor;
       StoreRow(p.elem, outputs.out, ((b * p.q_len + i) * p.q_heads + h) * dv, dv,
                out_row.data());
