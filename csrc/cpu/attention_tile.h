@@ -220,7 +220,7 @@ inline bool AllFinite(const float* x, int64_t n) {
 // accumulated output (weighted by exp(s - mx)) is multiplied by. With a sink, the sink's term
 // joins the sum (`lse` includes it, `max` does not). A NaN the row sees gives NaN, as in the
 // reference (not an empty row). The tiled forward (attention_cpu.h) and the decode forms'
-// merge (decode_cpu.h) both end here, so their rows agree bit for bit.
+// merge (decode_cpu.h) both end their rows here: one formula for both.
 struct RowEnd {
   float max, lse, factor;
 };
