@@ -84,11 +84,13 @@ FLASH_HOPPER_FORWARD = Implementation(  # `_flash_cudnn` with the Hopper kernel'
 )
 GPU_FORWARD_ON_HOPPER = True
 GPU_HOPPER_FORWARD_HEAD_DIMS = (128,)
-GPU_HOPPER_FORWARD_MIN_KV_SEQ = 2048
+GPU_HOPPER_FORWARD_MIN_SEQ = 2048
 """Where GPU `flash` runs the forward on attnaux's Hopper kernel (`_flash_hopper.forward`) and
 differentiates it with cuDNN's backward, which takes the kernel's out and lse as its residuals:
 causal attention (top-left or bottom-right, a window and GQA allowed, a sink after; no bias,
-mask, segment ids, sequence lengths, softcap or dropout) at head dim 128 with kv_seq >= 2048.
+mask, segment ids, sequence lengths, softcap or dropout) at head dim 128 with q_seq and kv_seq
+both >= 2048 (the shapes measured had q_seq == kv_seq; shorter query blocks, decode among them,
+were not measured and stay on cuDNN).
 Measured on an H100 in two runs of `benchmarks/gpu_hopper.py` (bf16, 16 heads, 2026-11-27;
 docs/performance.md): causal, the Hopper forward took 1.04-1.14x cuDNN's speed at 2048-16384
 tokens; without a mask 0.99-1.04x (a tie: the same kernel measured up to 11% apart within one
@@ -220,7 +222,7 @@ def call_statics(scale, causal, window, softcap, dropout_rate, return_probs, bac
 
 def gpu_forward_on_hopper(problem: Problem) -> str | None:
     """Why GPU `flash` runs this call's forward on attnaux's Hopper kernel
-    (`GPU_HOPPER_FORWARD_MIN_KV_SEQ`), or None where cuDNN runs it."""
+    (`GPU_HOPPER_FORWARD_MIN_SEQ`), or None where cuDNN runs it."""
     a, o = problem.arrays, problem.options
     if not GPU_FORWARD_ON_HOPPER or _flash_hopper.device_unavailable(a.q, a.k, a.v) is not None:
         return None
@@ -229,12 +231,12 @@ def gpu_forward_on_hopper(problem: Problem) -> str | None:
              and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
              and o.dropout_rate == 0 and o.causal != 0)
     if (not plain or dim not in GPU_HOPPER_FORWARD_HEAD_DIMS
-            or kv_seq < GPU_HOPPER_FORWARD_MIN_KV_SEQ or 0 in a.q.shape
+            or min(q_seq, kv_seq) < GPU_HOPPER_FORWARD_MIN_SEQ
             or _flash_cudnn.padding_needed(o, q_seq, kv_seq)):
         return None
     return (f"forward on attnaux's Hopper kernel, backward on cuDNN's (causal attention, head "
-            f"dim {dim}, kv_seq={kv_seq} >= {GPU_HOPPER_FORWARD_MIN_KV_SEQ}: "
-            "GPU_HOPPER_FORWARD_MIN_KV_SEQ, measured faster than cuDNN's forward there)")
+            f"dim {dim}, q_seq={q_seq} and kv_seq={kv_seq} >= {GPU_HOPPER_FORWARD_MIN_SEQ}: "
+            "GPU_HOPPER_FORWARD_MIN_SEQ, measured faster than cuDNN's forward there)")
 
 
 def _platform() -> str:
