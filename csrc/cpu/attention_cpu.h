@@ -416,8 +416,8 @@ inline void ForwardRowsEnd(const AttentionParams& p, const HeadView& hv, int64_t
   TransposeLanes(rs.ot, dv, o_rows.data());
   for (int64_t lane = 0; lane < rs.rows_in_block; ++lane) {
     const int64_t i = rs.i0 + lane;
-    RowEnd end{-kInf, hv.has_sink ? hv.sink : -kInf, 0.0f};  // a padding row
-    if (lane < rs.valid) end = FinishRow(m_row[lane], l_row[lane], hv.has_sink, hv.sink);
+    const RowEnd end =
+        FinishRow(lane < rs.valid, m_row[lane], l_row[lane], hv.has_sink, hv.sink);
     const float mx = end.max, lse = end.lse, factor = end.factor;
     const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
     outputs.lse[stat] = lse;

@@ -215,17 +215,19 @@ inline bool AllFinite(const float* x, int64_t n) {
   return ok;
 }
 
-// A real row's final statistics from its max `mx` and `sum` = sum_j exp(s_j - mx) over the keys
-// it sees (mx = -inf: none): `max` and `lse` as the kernels return them, and `factor`, what its
+// A row's final statistics from its max `mx` and `sum` = sum_j exp(s_j - mx) over the keys it
+// sees (mx = -inf: none): `max` and `lse` as the kernels return them, and `factor`, what its
 // accumulated output (weighted by exp(s - mx)) is multiplied by. With a sink, the sink's term
 // joins the sum (`lse` includes it, `max` does not). A NaN the row sees gives NaN, as in the
-// reference (not an empty row). The tiled forward (attention_cpu.h) and the decode forms'
-// merge (decode_cpu.h) both end their rows here: one formula for both.
+// reference (not an empty row). A padding row (`valid` false: past q_len) has max -inf, lse the
+// sink (or -inf) and output 0. The tiled forward (attention_cpu.h) and the decode forms' merge
+// (decode_cpu.h) both end their rows here: one formula for both.
 struct RowEnd {
   float max, lse, factor;
 };
 
-inline RowEnd FinishRow(float mx, float sum, bool has_sink, float sink) {
+inline RowEnd FinishRow(bool valid, float mx, float sum, bool has_sink, float sink) {
+  if (!valid) return {-kInf, has_sink ? sink : -kInf, 0.0f};
   if (std::isnan(sum) || std::isnan(mx)) {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     return {nan, nan, nan};

@@ -1831,8 +1831,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
       const int64_t h = rows.head[r], i = rows.qi[r];
       const bool has_sink = p.sink != nullptr;
       const float sink = has_sink ? p.sink[h] : -kInf;
-      const RowEnd end = rows.valid[r] ? FinishRow(mx, sum, has_sink, sink)
-                                       : RowEnd{-kInf, has_sink ? sink : -kInf, 0.0f};
+      const RowEnd end = FinishRow(rows.valid[r], mx, sum, has_sink, sink);
       const float factor = end.factor;
       const int64_t stat = (b * p.q_heads + h) * p.q_len + i;
       outputs.lse[stat] = end.lse;
