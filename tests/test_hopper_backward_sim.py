@@ -10,8 +10,9 @@ are replaced by a simulation, and the kernels' own code runs unchanged:
   bit (flipped at every wait, as Mosaic GPU tracks it), so a barrier two phases ahead of a waiter
   is a protocol error, and a wait that never completes is a deadlock (a timeout here);
 - shared memory keeps a log of writes. A matrix product reads its shared-memory operands from its
-  issue until its scope ends (`run_scoped`/`run_state` await it), and a bulk copy to global
-  memory reads its source until `wait_smem_to_gmem` covers it: a write to what an unfinished read
+  issue until it is awaited: products retire in issue order, `wgmma_accumulator_load(wait_n=n)`
+  leaves the newest n in flight and a scope's end (`run_scoped`/`run_state`) awaits all. A bulk
+  copy to global memory reads its source until `wait_smem_to_gmem` covers it: a write to what an unfinished read
   covers, by any thread, is a race. Threads sleep at random inside products so interleavings vary;
 - the products in float64, TMA copies at once, `reduction_op="add"` as an addition.
 
@@ -53,7 +54,7 @@ class Machine(mbarrier_model.Machine):
     def thread_state(self):
         local = self.local
         if not hasattr(local, "products"):
-            local.products, local.copies = [], []
+            local.products, local.copies = [], []  # products: each one's reads, oldest first
         return local
 
     def record_write(self, view):
@@ -178,10 +179,13 @@ class Holder:
 def make_pallas(machine, sleep_s):
     state = machine.thread_state
 
-    def retire_products():
+    def retire_products(in_flight=0):
+        """Awaits the products issued before the newest `in_flight`."""
         local = state()
-        machine.check_reads(local.products, "a matrix product")
-        local.products.clear()
+        done = local.products[:max(0, len(local.products) - in_flight)]
+        for reads in done:
+            machine.check_reads(reads, "a matrix product")
+        del local.products[:len(done)]
 
     def run_scoped(f, *specs):
         result = f(*(Acc(np.zeros(s.shape)) for s in specs))
@@ -207,15 +211,21 @@ def make_pallas(machine, sleep_s):
     pl = types.SimpleNamespace(run_scoped=run_scoped, run_state=run_state, when=when, loop=loop,
                                ds=lambda start, size: slice(int(start), int(start) + int(size)))
 
-    def operand(x):
+    def operand(x, reads):
         if isinstance(x, View):
-            state().products.append((x.mem.name, x.key(), machine.now()))
+            reads.append((x.mem.name, x.key(), machine.now()))
             return x.array().astype(np.float64)
         return np.asarray(x, np.float64)
 
     def wgmma(acc, a, b):
-        acc.value = acc.value + operand(a) @ operand(b)
+        reads = []
+        acc.value = acc.value + operand(a, reads) @ operand(b, reads)
+        state().products.append(reads)
         time.sleep(sleep_s * machine.rng.random())  # the product in flight
+
+    def accumulator_load(acc, wait_n=0):
+        retire_products(wait_n)
+        return acc[...]
 
     def copy_gmem_to_smem(src, dst, barrier):
         dst[...] = src.array()
@@ -274,7 +284,7 @@ def make_pallas(machine, sleep_s):
         return call
 
     plgpu = types.SimpleNamespace(
-        wgmma=wgmma, ACC=ACC, barrier_wait=Barrier.wait, barrier_arrive=Barrier.arrive,
+        wgmma=wgmma, wgmma_accumulator_load=accumulator_load, ACC=ACC, barrier_wait=Barrier.wait, barrier_arrive=Barrier.arrive,
         copy_gmem_to_smem=copy_gmem_to_smem, copy_smem_to_gmem=copy_smem_to_gmem,
         wait_smem_to_gmem=wait_smem_to_gmem, commit_smem=lambda: None,
         set_max_registers=lambda n, action: None, layout_cast=lambda x, layout: x,
@@ -333,6 +343,8 @@ def simulate(monkeypatch):
         fake_lax.fori_loop = fori_loop
         fake_lax.cond = lambda pred, t, f, *ops: t(*ops) if bool(pred) else f(*ops)
         monkeypatch.setattr(fh, "lax", fake_lax)
+        monkeypatch.setattr(fh, "_accumulator_store", lambda ref, value: setattr(
+            ref, "value", np.array(value, np.float64)))
         return machine
 
     old = sys.getswitchinterval()

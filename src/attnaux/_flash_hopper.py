@@ -1224,59 +1224,69 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                     slot = slot_of(base + j)
                     q0 = j * bq
                     plgpu.barrier_wait(q_ready.at[slot])
-
-                    def st(acc_ref):
-                        plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32))
-                    plgpu.barrier_wait(st_ready.at[slot])
-                    lse_b = lax.broadcast_in_dim(
-                        plgpu.load(st_smem.at[slot, 0], layout=wgmma.reduce(0)), (bk, bq), [1])
-                    rt_b = lax.broadcast_in_dim(
-                        plgpu.load(st_smem.at[slot, 1], layout=wgmma.reduce(0)), (bk, bq), [1])
-                    plgpu.barrier_arrive(st_free.at[slot])
-                    q_pos = q_iota_tile() + q0
-                    kv_pos = kv_pos_tile()
-                    row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(0),
-                                               (bk, bq), 1) for r in range(n_rows))
-                    vis = None
-                    if packed and masked:
-                        rows_info = info_vectors(qinfo_ref, b, q0, wgmma.reduce(0))
-                        vis = packed_visible(rows_info, own_keys, 1, (bk, bq))
-                    p, vjp = scores_and_probs(s, q_pos, kv_pos, *fn_bh,
-                                              row_vals, col_vals, lse_b, masked, vis)
-                    drop = None
-                    if dropout:  # the rows (queries) lie across this tile
-                        drop = _drop_factor(dropout, seeds, *(
-                            row_input(erow_ref, b, h, c_, q0, wgmma.reduce(0), (bk, bq), 1)
-                            for c_ in range(2)), kv_pos, _wide_mulhilo)
-                    p_v = p if drop is None else p * drop
                     plgpu.barrier_wait(do_ready.at[slot])
+                    plgpu.barrier_wait(st_ready.at[slot])
 
-                    def dv_dp(refs):
-                        dv_ref_, dp_ref_ = refs
-                        plgpu.wgmma(dv_ref_, p_v.astype(dtype), do_smem.at[slot])
-                        plgpu.wgmma(dp_ref_, v_smem, do_smem.at[slot].transpose((1, 0)))
+                    def row_term(i):
+                        """Row statistic i (0: lse, 1: D - dlse) across the transposed tile,
+                        read where it is used rather than held through the step."""
+                        return lax.broadcast_in_dim(
+                            plgpu.load(st_smem.at[slot, i], layout=wgmma.reduce(0)),
+                            (bk, bq), [1])
 
-                    dp0 = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), wgmma)
-                    dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(dp0)))
+                    # The step's four products in one scope, FlashAttention-3's order: S^T
+                    # and dP^T are issued together and the softmax runs while dP^T does; dV
+                    # runs while dS is made; dK is issued before either is awaited
+                    def products(s_ref, dp_ref, dv_ref, dk_ref):
+                        _accumulator_store(dv_ref, dv)
+                        _accumulator_store(dk_ref, dk)
+                        plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dP^T may run
+                        q_pos = q_iota_tile() + q0
+                        kv_pos = kv_pos_tile()
+                        row_vals = tuple(row_input(rows_ref, b, h, r, q0, wgmma.reduce(0),
+                                                   (bk, bq), 1) for r in range(n_rows))
+                        vis = None
+                        if packed and masked:
+                            rows_info = info_vectors(qinfo_ref, b, q0, wgmma.reduce(0))
+                            vis = packed_visible(rows_info, own_keys, 1, (bk, bq))
+                        p, vjp = scores_and_probs(s, q_pos, kv_pos, *fn_bh, row_vals,
+                                                  col_vals, row_term(0), masked, vis)
+                        drop = None
+                        if dropout:  # the rows (queries) lie across this tile
+                            drop = _drop_factor(dropout, seeds, *(
+                                row_input(erow_ref, b, h, c_, q0, wgmma.reduce(0), (bk, bq), 1)
+                                for c_ in range(2)), kv_pos, _wide_mulhilo)
+                        p16 = (p if drop is None else p * drop).astype(dtype)
+                        plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
+                        dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dV may run
+                        if drop is not None:
+                            dp = dp * drop
+                        ds = p * (dp - row_term(1))
+                        plgpu.barrier_arrive(st_free.at[slot])
+                        new_dcols = dcols
+                        if vjp is not None:
+                            ds, _, dcol_tiles = vjp(ds)
+                            new_dcols = tuple(a + t.sum(axis=1)
+                                              for a, t in zip(dcols, dcol_tiles))
+                        ds_b = ds.astype(dtype)
+                        if fused:
+                            share_ds(base + j, ds_b)
+                        plgpu.wgmma(dk_ref, ds_b, q_smem.at[slot])
+                        new_dv = plgpu.wgmma_accumulator_load(dv_ref, wait_n=1)
+                        new_dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
+                        # the register operands stay alive until their products are awaited
+                        # (see `_walk_overlapped`)
+                        new_dk, new_dv, _ = lax.optimization_barrier((new_dk, new_dv,
+                                                                      (p16, ds_b)))
+                        return new_dk, new_dv, new_dcols
+
+                    dk, dv, dcols = pl.run_scoped(
+                        products, plgpu.ACC((bk, bq), jnp.float32),
+                        plgpu.ACC((bk, bq), jnp.float32), plgpu.ACC((bk, dim), jnp.float32),
+                        plgpu.ACC((bk, dim), jnp.float32))
                     plgpu.barrier_arrive(do_free.at[slot])
-                    if drop is not None:
-                        dp = dp * drop
-                    ds = p * (dp - rt_b)
-                    if vjp is not None:
-                        ds, _, dcol_tiles = vjp(ds)
-                        dcols = tuple(a + t.sum(axis=1) for a, t in zip(dcols, dcol_tiles))
-
-                    ds_b = ds.astype(dtype)
-                    if fused:
-                        share_ds(base + j, ds_b)
-
-                    def dk_acc(acc_ref):
-                        plgpu.wgmma(acc_ref, ds_b, q_smem.at[slot])
-
-                    dk = pl.run_state(dk_acc)(plgpu.ACC.init(dk))
                     plgpu.barrier_arrive(q_free.at[slot])
                     if fused:
                         add_dq(base + j, q0, h)
@@ -1462,8 +1472,8 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
             lse_row = plgpu.load(st_smem.at[0], layout=wgmma.reduce(1))
             rt_row = plgpu.load(st_smem.at[1], layout=wgmma.reduce(1))
 
-            def row_tiles():
-                return tuple(lax.broadcast_in_dim(r_, (bq, bk), [0]) for r_ in (lse_row, rt_row))
+            def row_tile(row):
+                return lax.broadcast_in_dim(row, (bq, bk), [0])
 
             dq = plgpu.layout_cast(jnp.zeros((bq, dim), jnp.float32), wgmma)
             drow0 = tuple(plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
@@ -1481,41 +1491,43 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
                 slot = slot_of(step)
                 plgpu.barrier_wait(k_ready.at[slot])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                kv_pos = kv_iota_tile() + step * bk
-                q_pos = q_pos_tile()
-                lse_b, rt_b = row_tiles()
-                col_vals = tuple(row_input(cols_ref, b, h, c_, step * bk, wgmma.reduce(0),
-                                           (bq, bk), 1) for c_ in range(n_cols))
-                vis = None
-                if packed and masked:
-                    keys_info = info_vectors(kvinfo_ref, b, step * bk, wgmma.reduce(0))
-                    vis = packed_visible(own_rows, keys_info, 0, (bq, bk))
-                p, vjp = scores_and_probs(s, q_pos, kv_pos, fn_b, fn_h, row_vals, col_vals,
-                                          lse_b, masked, vis)
                 plgpu.barrier_wait(v_ready.at[slot])
 
-                def dp_(acc_ref):
-                    plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
+                # FlashAttention-3's order: S and dP issued together, the softmax runs while
+                # dP does
+                def products(s_ref, dp_ref, dq_ref):
+                    _accumulator_store(dq_ref, dq)
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dP may run
+                    kv_pos = kv_iota_tile() + step * bk
+                    col_vals = tuple(row_input(cols_ref, b, h, c_, step * bk, wgmma.reduce(0),
+                                               (bq, bk), 1) for c_ in range(n_cols))
+                    vis = None
+                    if packed and masked:
+                        keys_info = info_vectors(kvinfo_ref, b, step * bk, wgmma.reduce(0))
+                        vis = packed_visible(own_rows, keys_info, 0, (bq, bk))
+                    p, vjp = scores_and_probs(s, q_pos_tile(), kv_pos, fn_b, fn_h, row_vals,
+                                              col_vals, row_tile(lse_row), masked, vis)
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+                    if dropout:
+                        dp = dp * _drop_factor(dropout, seeds, *e_rows, kv_pos, _wide_mulhilo)
+                    ds = p * (dp - row_tile(rt_row))
+                    new_drows = drows
+                    if vjp is not None:
+                        ds, drow_tiles, _ = vjp(ds)
+                        new_drows = tuple(a + t.sum(axis=1) for a, t in zip(drows, drow_tiles))
+                    ds_b = ds.astype(dtype)
+                    plgpu.wgmma(dq_ref, ds_b, k_smem.at[slot])
+                    new_dq = plgpu.wgmma_accumulator_load(dq_ref, wait_n=0)
+                    # ds_b, the product's register operand, stays alive until it is awaited
+                    new_dq, _ = lax.optimization_barrier((new_dq, ds_b))
+                    return new_dq, new_drows
 
-                dp = pl.run_scoped(dp_, plgpu.ACC((bq, bk), jnp.float32))
+                dq, drows = pl.run_scoped(
+                    products, plgpu.ACC((bq, bk), jnp.float32),
+                    plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, dim), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
-                if dropout:
-                    dp = dp * _drop_factor(dropout, seeds, *e_rows, kv_pos, _wide_mulhilo)
-                ds = p * (dp - rt_b)
-                if vjp is not None:
-                    ds, drow_tiles, _ = vjp(ds)
-                    drows = tuple(a + t.sum(axis=1) for a, t in zip(drows, drow_tiles))
-
-                def dq_acc(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
-
-                dq = pl.run_state(dq_acc)(plgpu.ACC.init(dq))
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq, drows
 
