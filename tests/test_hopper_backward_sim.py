@@ -12,8 +12,9 @@ are replaced by a simulation, and the kernels' own code runs unchanged:
 - shared memory keeps a log of writes. A matrix product reads its shared-memory operands from its
   issue until it is awaited: products retire in issue order, `wgmma_accumulator_load(wait_n=n)`
   leaves the newest n in flight and a scope's end (`run_scoped`/`run_state`) awaits all. A bulk
-  copy to global memory reads its source until `wait_smem_to_gmem` covers it: a write to what an unfinished read
-  covers, by any thread, is a race. Threads sleep at random inside products so interleavings vary;
+  copy to global memory reads its source until `wait_smem_to_gmem` covers it. A write to what an
+  unfinished read covers, by any thread, is a race. Threads sleep at random inside products so
+  interleavings vary;
 - the products in float64, TMA copies at once, `reduction_op="add"` as an addition.
 
 The gradients must equal a float64 NumPy reference (float32 inputs, so no bfloat16 rounding of
@@ -284,7 +285,8 @@ def make_pallas(machine, sleep_s):
         return call
 
     plgpu = types.SimpleNamespace(
-        wgmma=wgmma, wgmma_accumulator_load=accumulator_load, ACC=ACC, barrier_wait=Barrier.wait, barrier_arrive=Barrier.arrive,
+        wgmma=wgmma, wgmma_accumulator_load=accumulator_load, ACC=ACC,
+        barrier_wait=Barrier.wait, barrier_arrive=Barrier.arrive,
         copy_gmem_to_smem=copy_gmem_to_smem, copy_smem_to_gmem=copy_smem_to_gmem,
         wait_smem_to_gmem=wait_smem_to_gmem, commit_smem=lambda: None,
         set_max_registers=lambda n, action: None, layout_cast=lambda x, layout: x,
