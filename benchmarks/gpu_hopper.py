@@ -2,12 +2,16 @@
 
     python benchmarks/gpu_hopper.py            # every shape of gpu_flash.SHAPES, causal and not
     python benchmarks/gpu_hopper.py --quick    # two shapes
+    python benchmarks/gpu_hopper.py --candidates hopper --config fused:fused_dq=True
+        # an A/B of `_flash_hopper.Config` fields: each --config NAME:FIELD=VALUE[,...] adds a
+        # candidate `NAME`, the Hopper kernels with those fields changed
 
 bf16 plain attention (no mask function), forward and forward+backward (`jax.vjp` of out with a
 fixed cotangent), side by side and taking turns (`gpu_flash.timed`):
 
-- `hopper`: attnaux's Pallas kernels (`_flash_hopper.forward`, and its two backward kernels,
-  dK/dV and dQ, as the VJP), called directly;
+- `hopper`: attnaux's Pallas kernels (`_flash_hopper.forward`, and its backward as the VJP:
+  dQ summed in the dK/dV kernel at head dim 64, a second kernel at 128), called directly;
+- each `--config` candidate: the same with some `Config` fields changed;
 - `cudnn`: cuDNN through attnaux's FFI handlers, forward and backward (`_flash_cudnn`);
 - `flash`: `attnaux.attention(backend="flash")` as `auto` runs it for plain attention on GPU:
   where `_dispatch.gpu_forward_on_hopper` holds, the forward on the Hopper kernel and cuDNN's
@@ -20,8 +24,11 @@ BENCHMARKS.md), and FA3's time over each one's (1.0 = parity, above = faster tha
 """
 
 import argparse
+import ast
+import dataclasses
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -39,37 +46,61 @@ from gpu_flash import SHAPES, timed  # noqa: E402
 PEAK_TFLOPS = 798.0  # H100 SXM dense bf16 wgmma, measured (BENCHMARKS.md)
 
 
-def _kernels(q, causal):
-    b, s, h, d = q.shape
-    none = jnp.zeros((b, h, 0, s), jnp.float32)  # no row or column inputs
-    return none, dict(scale=d ** -0.5, softcap=None, geometry=fh.Geometry(causal, None, 0, s, s),
-                      tile_fn=None, config=fh.default_config(d))
+def hopper_candidate(**overrides):
+    """Attention on the Hopper kernels (`_flash_hopper.forward`) with their backward as the VJP,
+    configured as `default_config` with `overrides` (`Config` fields) on top. Plain attention,
+    sequence lengths a multiple of 128 (no padding)."""
+
+    def statics(q, causal):
+        b, s, h, d = q.shape
+        none = jnp.zeros((b, h, 0, s), jnp.float32)  # no row or column inputs
+        config = dataclasses.replace(fh.default_config(d), **overrides)
+        return none, dict(scale=d ** -0.5, softcap=None,
+                          geometry=fh.Geometry(causal, None, 0, s, s), tile_fn=None,
+                          config=config)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def attention(q, k, v, causal):
+        none, kw = statics(q, causal)
+        return fh.forward(q, k, v, none, none, **kw)[0]
+
+    def forward(q, k, v, causal):
+        none, kw = statics(q, causal)
+        out, lse, _ = fh.forward(q, k, v, none, none, **kw)
+        return out, (q, k, v, out, lse)
+
+    def backward(causal, saved, dout):
+        q, k, v, out, lse = saved
+        none, kw = statics(q, causal)
+        dq, dk, dv, _, _ = fh.backward(q, k, v, out, lse, dout, jnp.zeros_like(lse), none,
+                                       none, **kw)
+        return dq, dk, dv
+
+    attention.defvjp(forward, backward)
+    return attention
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def hopper_attention(q, k, v, causal):
-    """out of the Hopper kernels (`_flash_hopper.forward`), their backward as the VJP (the
-    form `default_config` picks: dQ reduce-added in the dK/dV kernel at head dim 64, two
-    kernels at 128): plain attention, sequence lengths a multiple of 128 (no padding)."""
-    none, statics = _kernels(q, causal)
-    return fh.forward(q, k, v, none, none, **statics)[0]
+def parse_config(text: str):
+    """`NAME:FIELD=VALUE[,FIELD=VALUE...]` -> (NAME, {FIELD: VALUE}), the values Python
+    literals (`fused_dq=True`, `backward_registers=(232,40)`)."""
+    name, sep, body = text.partition(":")
+    fields = {f.name for f in dataclasses.fields(fh.Config)}
+    if not sep or not name or not body:
+        raise ValueError(f"--config {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE...]")
+    overrides = {}
+    for item in re.split(r",(?=\s*\w+=)", body):  # (a tuple's commas stay in its value)
+        field, eq, value = item.partition("=")
+        if not eq or field not in fields:
+            raise ValueError(f"--config {text!r}: {item!r} is not FIELD=VALUE with FIELD one "
+                             f"of {sorted(fields)}")
+        try:
+            overrides[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--config {text!r}: {value!r} is not a Python literal") from None
+    return name, overrides
 
 
-def _forward(q, k, v, causal):
-    none, statics = _kernels(q, causal)
-    out, lse, _ = fh.forward(q, k, v, none, none, **statics)
-    return out, (q, k, v, out, lse)
-
-
-def _backward(causal, saved, dout):
-    q, k, v, out, lse = saved
-    none, statics = _kernels(q, causal)
-    dq, dk, dv, _, _ = fh.backward(q, k, v, out, lse, dout, jnp.zeros_like(lse), none, none,
-                                   **statics)
-    return dq, dk, dv
-
-
-hopper_attention.defvjp(_forward, _backward)
+hopper_attention = hopper_candidate()
 
 
 def cudnn_attention(q, k, v, causal):
@@ -95,12 +126,24 @@ def main():
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma-separated subset of " + ", ".join(CANDIDATES)
                         + " (fa3 is always measured: the ratios are against it)")
+    parser.add_argument("--config", action="append", default=[],
+                        metavar="NAME:FIELD=VALUE[,...]",
+                        help="adds candidate NAME: the Hopper kernels with these "
+                        "_flash_hopper.Config fields changed (repeatable)")
     args = parser.parse_args()
     chosen = set(args.candidates.split(",")) | {"fa3"}
     unknown = chosen - set(CANDIDATES)
     if unknown:
         parser.error(f"--candidates: unknown {sorted(unknown)}; choose from {list(CANDIDATES)}")
     candidates = {n: f for n, f in CANDIDATES.items() if n in chosen}
+    for text in args.config:
+        try:
+            name, overrides = parse_config(text)
+        except ValueError as error:
+            parser.error(str(error))
+        if name in candidates:
+            parser.error(f"--config {text!r}: the name {name!r} is taken")
+        candidates[name] = hopper_candidate(**overrides)
     shapes = SHAPES[1:3] if args.quick else SHAPES
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16")
     names = list(candidates)
