@@ -90,6 +90,7 @@ def parse_config(text: str):
     overrides = {}
     for item in re.split(r",(?=\s*\w+=)", body):  # (a tuple's commas stay in its value)
         field, eq, value = item.partition("=")
+        field = field.strip()
         if not eq or field not in fields:
             raise ValueError(f"--config {text!r}: {item!r} is not FIELD=VALUE with FIELD one "
                              f"of {sorted(fields)}")
