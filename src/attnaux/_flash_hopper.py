@@ -225,6 +225,12 @@ def _cta_work(n_tiles: int, n_heads: int, bsz: int, stream_bytes: int, group: in
                       longest)
 
 
+def _kv_stream_bytes(k) -> int:
+    """What every query tile of one (batch, kv head) streams: its K and V (`_cta_work`'s
+    `stream_bytes` for the forward and the dQ kernel)."""
+    return 2 * k.shape[1] * k.shape[3] * k.dtype.itemsize
+
+
 def _cta_place(cta, n_tiles: int, n_heads: int, bsz: int, stream_bytes: int, group: int,
                longest: str):
     """`_cta_work` for the CTA index `cta` (int32, any shape: `tests/test_hopper_walk.py`
@@ -617,7 +623,6 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     table = None if tables is None else tables[0]
     overlap = config.overlap
     n_cta_tiles = q_seq // (COMPUTE_WGS * block_q)
-    kv_stream_bytes = 2 * kv_seq * dim * q.dtype.itemsize  # K and V of one kv head
 
     def kernel(*refs):
         q_ref, k_ref, v_ref = refs[:3]
@@ -637,7 +642,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
         qo_smem2, k_smem, v_smem, stat_smem2 = scratch
         k_ready, v_ready, q_ready, k_free, v_free, turn, turn2 = barriers
-        q_tile, b, h = _cta_work(n_cta_tiles, q_heads, bsz, kv_stream_bytes, group)
+        q_tile, b, h = _cta_work(n_cta_tiles, q_heads, bsz, _kv_stream_bytes(k), group)
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
         cta_q0 = q_tile * (COMPUTE_WGS * block_q)
@@ -1430,7 +1435,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
         q_smem2, do_smem2, st_smem2, k_smem, v_smem, drow_smem2 = scratch
         q_ready, do_ready, st_ready, k_ready, v_ready, k_free, v_free = barriers
         q_tile, b, h = _cta_work(q_seq // (COMPUTE_WGS * bq), q_heads, bsz,
-                                 2 * kv_seq * dim * dtype.itemsize, group)
+                                 _kv_stream_bytes(k), group)
         wg = lax.axis_index("wg")
         kvh = lax.div(h, jnp.array(group, h.dtype))
         cta_q0 = q_tile * (COMPUTE_WGS * bq)
