@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_hopper.py            # every shape of gpu_flash.SHAPES, causal and not
     python benchmarks/gpu_hopper.py --quick    # two shapes
+    python benchmarks/gpu_hopper.py --shapes 2x4096x32x64,8x1024x32x64   # these shapes
     python benchmarks/gpu_hopper.py --candidates hopper --config fused:fused_dq=True
         # an A/B of `_flash_hopper.Config` fields: each --config NAME:FIELD=VALUE[,...] adds a
         # candidate `NAME`, the Hopper kernels with those fields changed
@@ -54,7 +55,7 @@ def hopper_candidate(**overrides):
     def statics(q, causal):
         b, s, h, d = q.shape
         none = jnp.zeros((b, h, 0, s), jnp.float32)  # no row or column inputs
-        config = dataclasses.replace(fh.default_config(d), **overrides)
+        config = dataclasses.replace(fh.default_config(d, s, banded=causal), **overrides)
         return none, dict(scale=d ** -0.5, softcap=None,
                           geometry=fh.Geometry(causal, None, 0, s, s), tile_fn=None,
                           config=config)
@@ -123,6 +124,8 @@ CANDIDATES = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes only")
+    parser.add_argument("--shapes", default=None, metavar="BxSxHxD[,...]",
+                        help="these shapes instead of the benchmark's")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma-separated subset of " + ", ".join(CANDIDATES)
@@ -146,6 +149,13 @@ def main():
             parser.error(f"--config {text!r}: the name {name!r} is taken")
         candidates[name] = hopper_candidate(**overrides)
     shapes = SHAPES[1:3] if args.quick else SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(n) for n in text.split("x")) for text in args.shapes.split(",")]
+        except ValueError:
+            parser.error(f"--shapes {args.shapes!r}: expected BxSxHxD[,BxSxHxD...]")
+        if any(len(shape) != 4 for shape in shapes):
+            parser.error(f"--shapes {args.shapes!r}: expected four sizes a shape, BxSxHxD")
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16")
     names = list(candidates)
     print("| b x s x h x d | causal | pass | " + " | ".join(f"{n} TFLOP/s (% peak)"

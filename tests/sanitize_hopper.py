@@ -32,7 +32,8 @@ STATE = jnp.concatenate([jax.random.bits(jax.random.key(0), (4,), jnp.uint32),
 
 
 def kernels(dim, hkv, causal, window, offset, tile, dropout, fused_dq=None):
-    b, sq, skv, hq = 1, 256, 384, 2
+    # 512 keys at head dim 64: the forward's 256-key tiles (`default_config`)
+    b, sq, skv, hq = 1, 256, 512 if dim == 64 else 384, 2
     geo = fh.Geometry(causal, window, offset, skv - 37, sq)
     ks = [jax.random.fold_in(jax.random.key(1), i) for i in range(5)]
     q = jax.random.normal(ks[0], (b, sq, hq, dim), jnp.bfloat16)
@@ -41,7 +42,7 @@ def kernels(dim, hkv, causal, window, offset, tile, dropout, fused_dq=None):
     n = 1 if tile is not None else 0
     rows = jax.random.normal(ks[3], (b, hq, n, sq), jnp.float32)
     cols = jax.random.normal(ks[4], (b, hq, n, skv), jnp.float32)
-    config = fh.default_config(dim)
+    config = fh.default_config(dim, skv)
     if fused_dq is not None:
         config = dataclasses.replace(config, fused_dq=fused_dq)
     kw = dict(scale=dim ** -0.5, softcap=None, geometry=geo, tile_fn=tile, config=config)

@@ -112,7 +112,7 @@ def test_kernels_against_float32_reference(case):
     sq, skv = 384, 512
     geo = fh.Geometry(causal, window, offset, skv - 37, sq)  # 37 padding keys
     q, k, v, rows, cols, dout, dlse = _kernel_inputs(1, dim, hkv, sq, skv)
-    scale, cfg = dim ** -0.5, fh.default_config(dim)
+    scale, cfg = dim ** -0.5, fh.default_config(dim, skv)
     out, lse, mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap, geometry=geo,
                               tile_fn=tile, config=cfg)
     r_out, r_lse, r_mx = _reference(q, k, v, rows, cols, scale, softcap, geo, tile)
@@ -148,6 +148,18 @@ def _both_backwards(*args, config, **kw):
     for g, h in zip(reproducible, again, strict=True):  # no atomics: bitwise reproducible
         np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
     return grads, reproducible
+
+
+def test_forward_key_tiles_by_head_dim_and_key_length():
+    """256-key forward tiles at head dim 64 where they divide the (padded) keys, from 4096 keys
+    on under a causal or window band; 128 elsewhere and where the key length is not given."""
+    assert fh.default_config(64, 512).block_kv == 256
+    assert fh.default_config(64, 384).block_kv == 128
+    assert fh.default_config(64).block_kv == 128
+    assert fh.default_config(64, 2048, banded=True).block_kv == 128
+    assert fh.default_config(64, 4096, banded=True).block_kv == 256
+    assert fh.default_config(128, 512).block_kv == 128
+    assert fh.default_config(128, 4096, banded=True).block_kv == 128
 
 
 def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
@@ -239,7 +251,7 @@ def test_kernels_with_dropout_against_float32_reference(case):
     state = _block_state(3, origin, (8, 1024, 1024))
     geo = fh.Geometry(causal, None, 0, skv - 37, sq)
     q, k, v, rows, cols, dout, dlse = _kernel_inputs(2, dim, hkv, sq, skv)
-    scale, cfg = dim ** -0.5, fh.default_config(dim)
+    scale, cfg = dim ** -0.5, fh.default_config(dim, skv)
     drop = dict(dropout=rate, drop_state=state)
     out, lse, mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap, geometry=geo,
                               tile_fn=tile, config=cfg, **drop)

@@ -539,7 +539,17 @@ class Config:
     backward_registers: tuple[int, int] = (240, 24)
 
 
-def default_config(head_dim: int) -> Config:
+def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = False) -> Config:
+    """The kernels' configuration for a head dim and, where known (None: not known, or not
+    to be widened), the padded key length the forward sees; `banded`: a causal or window
+    geometry. At head dim 64 the forward takes 256-key tiles where they divide the keys and,
+    when banded, from 4096 keys on: a tile's products there are short next to its fixed cost
+    (the turn, the barriers, the row reductions). H100, bf16, forward, 256 / 128 keys: 1.08 /
+    1.12 / 1.01 without a mask at 2x4096x32 / 1x16384x16 / 8x1024x32 x64, 1.06 / 1.13 causal at
+    the first two, but 0.92 causal at 8x1024, where the diagonal's half-masked 256-key tiles
+    cost more than the fewer turns save (docs/performance.md, 2026-11-27 third session). At
+    head dim 128, 192 keys exceed the shared memory by 104 bytes and wgmma takes no 176-key
+    P V (its K must be a multiple of 64)."""
     # the overlap measured 1.04-1.14x at head dim 128 and 0.96-0.98x at 64 (H100, bf16,
     # `benchmarks/gpu_hopper.py` shapes): at 64 the softmax is short next to the products'
     # issue, and the second accumulator's registers cost more than the overlap gives.
@@ -547,7 +557,9 @@ def default_config(head_dim: int) -> Config:
     # (2x4096x32x64, 8x1024x16x64) and 0.78-0.89x at 128, where ptxas spilled 690-860 bytes a
     # thread in the dK/dV kernel beside dK's and dV's 64 x 128 float32 accumulators (32-250
     # without it; docs/performance.md, sixth session)
-    return Config(block_kv=128 if head_dim <= 128 else 64, stages=2,
+    wide = (head_dim <= 64 and kv_seq is not None and kv_seq % 256 == 0
+            and (not banded or kv_seq >= 4096))
+    return Config(block_kv=256 if wide else 128 if head_dim <= 128 else 64, stages=2,
                   overlap=head_dim >= 128 and _accumulator_store_available(),
                   fused_dq=head_dim <= 64 and not deterministic_requested())
 

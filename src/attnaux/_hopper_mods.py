@@ -536,8 +536,11 @@ def plain_forward(cfg, q, k, v):
     (`_dispatch.gpu_forward_on_hopper`)."""
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq = k.shape[1]
-    st = Static(None, None, float(cfg.scale), geometry_of(cfg, q_seq, kv_seq),
-                hopper.default_config(dim), None)
+    geometry = geometry_of(cfg, q_seq, kv_seq)
+    st = Static(None, None, float(cfg.scale), geometry,
+                hopper.default_config(dim, -(-kv_seq // 128) * 128,
+                                      banded=geometry.causal or geometry.window is not None),
+                None)
     ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
     out, lse, row_max = _ops(st)[0](_pad(q, 1, 128), _pad(k, 1, 128), _pad(v, 1, 128), *ids)
     return out[:, :q_seq], lse[..., :q_seq], row_max[..., :q_seq]
@@ -567,7 +570,10 @@ def run(arrays, options, sp: Split | None, tables, tiles):
     else:
         rows = jnp.zeros((bsz, q_heads, 0, q_seq), jnp.float32)
         cols = jnp.zeros((bsz, q_heads, 0, kv_seq), jnp.float32)
-    config = hopper.default_config(dim)
+    geometry = geometry_of(options, q_seq, kv_seq)
+    # mask_mod's tables keep the 128-key tiles (their skipping is unmeasured at 256)
+    config = hopper.default_config(dim, None if tiles is not None else -(-kv_seq // 128) * 128,
+                                   banded=geometry.causal or geometry.window is not None)
     packed = None
     if tiles is not None:
         n_q64, n_k64 = -(-q_seq // 128) * 2, -(-kv_seq // 128) * 2
@@ -575,8 +581,7 @@ def run(arrays, options, sp: Split | None, tables, tiles):
         packed = tuple((t.shape, np.ascontiguousarray(t, np.int32).tobytes()) for t in
                        range_tables(tiles, n_q64, n_k64, config.block_kv, group))
     dropout = options.dropout_rate if options.dropout_rate > 0 else None
-    st = Static(sp, options.softcap or None, options.scale,
-                geometry_of(options, q_seq, kv_seq), config, packed, dropout)
+    st = Static(sp, options.softcap or None, options.scale, geometry, config, packed, dropout)
     # with dropout, the 12-word block state of the call (its unpadded sizes): attnaux's mask of
     # the [B, Hq, Sq, Skv] problem, whatever the padding
     rng = (block_state(arrays.rng_state, q, k),) if dropout else ()

@@ -133,9 +133,11 @@ def classify(q_info, kv_info, g: hopper.Geometry):
 
 
 def _merge(cls, factor: int):
-    """Key tiles merged `factor` at a time (hidden if all are, whole if all are)."""
+    """Key tiles merged `factor` at a time (hidden if all are, whole if all are), padded with
+    hidden tiles to a multiple of `factor`."""
     if factor == 1:
         return cls
+    cls = jnp.pad(cls, ((0, 0), (0, 0), (0, (-cls.shape[-1]) % factor)))
     b, r, n = cls.shape
     t = cls.reshape(b, r, n // factor, factor)
     return jnp.where((t == 0).all(-1), 0, jnp.where((t == 2).all(-1), 2, 1)).astype(jnp.int32)
@@ -315,7 +317,7 @@ def _prepared(q, k, v, q_info, kv_info, options: Options, clean: bool, rng_state
     qp, kp, vp = _pad_tokens(q, 1), _pad_tokens(k, 1), _pad_tokens(v, 1)
     infos = pad_infos(q_info, kv_info)
     g = geometry(options, qp.shape[1], kp.shape[1])
-    config = hopper.default_config(qp.shape[-1])
+    config = hopper.default_config(qp.shape[-1])  # 128-key tiles (256 unmeasured on documents)
     st = _Static(options.scale, options.softcap or None, g, config, dropout, clean)
     return st, qp, kp, vp, infos, tables(*infos, g, config.block_kv), rng
 
