@@ -527,8 +527,9 @@ class Config:
     warpgroups' total must stay within the SM's 64K); `backward_*`: the same for the backward's
     kernels. The backward's three stages and FlashAttention-3's 240/24 split measured 1.00-1.06x
     forward+backward together (H100, bf16, 4x2048 and 1x8192 x16x128, 2x4096x32x64, causal and
-    not, one A/B run); the forward has no room for a third stage at head dim 128 (232584 bytes
-    of shared memory against 232448), and 240/24 there measured 0.98-1.03x, within noise."""
+    not, one A/B run); in the forward 240/24 measured 0.98-1.03x, within noise, and a third
+    stage at head dim 128 (room for it since the row statistics skip shared memory) 0.98-1.03x
+    two (H100, 2x6144 and 8x1536 x16x128, one A/B run), so two stay."""
 
     block_kv: int = 128
     stages: int = 2
@@ -537,6 +538,10 @@ class Config:
     registers: tuple[int, int] = (232, 40)  # a thread's registers: consumers, producer
     backward_stages: int = 3  # the backward's streamed tiles in flight
     backward_registers: tuple[int, int] = (240, 24)
+    # the forward's lse and max through shared memory and TMA instead of stored from the
+    # registers: the registers' stores measured 0.96-1.03x (five of six shapes faster; H100,
+    # head dims 128 and 64) and leave shared memory for a third stage at head dim 128
+    stats_in_smem: bool = False
 
 
 def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = False) -> Config:
@@ -652,7 +657,8 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         seed_ref, erow_ref = refs[at:at + 2] if dropout else (None, None)
         at += 2 * bool(dropout)
         out_ref, lse_ref, max_ref, scratch, barriers = refs[at:]
-        qo_smem2, k_smem, v_smem, stat_smem2 = scratch
+        qo_smem2, k_smem, v_smem, *stat_smem2 = scratch
+        stat_smem2 = stat_smem2[0] if stat_smem2 else None
         k_ready, v_ready, q_ready, k_free, v_free, turn, turn2 = barriers
         q_tile, b, h = _cta_work(n_cta_tiles, q_heads, bsz, _kv_stream_bytes(k), group)
         wg = lax.axis_index("wg")
@@ -838,13 +844,18 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             qo_smem[...] = out.astype(dtype)
             row_max = m * scale if plain else m
             lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), empty)
-            stat_smem = stat_smem2.at[wg]
-            stat_smem.at[0][...] = lse
-            stat_smem.at[1][...] = jnp.where(seen, row_max, empty)
+            if config.stats_in_smem:
+                stat_smem = stat_smem2.at[wg]
+                stat_smem.at[0][...] = lse
+                stat_smem.at[1][...] = jnp.where(seen, row_max, empty)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q0, block_q), h])
-            plgpu.copy_smem_to_gmem(stat_smem.at[0], lse_ref.at[b, h, pl.ds(q0, block_q)])
-            plgpu.copy_smem_to_gmem(stat_smem.at[1], max_ref.at[b, h, pl.ds(q0, block_q)])
+            if config.stats_in_smem:
+                plgpu.copy_smem_to_gmem(stat_smem.at[0], lse_ref.at[b, h, pl.ds(q0, block_q)])
+                plgpu.copy_smem_to_gmem(stat_smem.at[1], max_ref.at[b, h, pl.ds(q0, block_q)])
+            else:  # straight from the registers (no shared memory for them)
+                lse_ref.at[b, h, pl.ds(q0, block_q)][...] = lse
+                max_ref.at[b, h, pl.ds(q0, block_q)][...] = jnp.where(seen, row_max, empty)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -864,8 +875,7 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
         plgpu.SMEM((COMPUTE_WGS, block_q, dim), dtype, transforms=(tiling, swizzle)),
         plgpu.SMEM((stages, block_kv, dim), dtype, transforms=(tiling, swizzle)),
         plgpu.SMEM((stages, block_kv, dim), dtype, transforms=(tiling, swizzle)),
-        plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),
-    )
+    ) + ((plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),) if config.stats_in_smem else ())
     barriers = (
         plgpu.Barrier(num_barriers=stages),  # k_ready
         plgpu.Barrier(num_barriers=stages),  # v_ready
