@@ -528,7 +528,7 @@ class Config:
     kernels. The backward's three stages and FlashAttention-3's 240/24 split measured 1.00-1.06x
     forward+backward together (H100, bf16, 4x2048 and 1x8192 x16x128, 2x4096x32x64, causal and
     not, one A/B run); in the forward 240/24 measured 0.98-1.03x, within noise, and a third
-    stage at head dim 128 (room for it since the row statistics skip shared memory) 0.98-1.03x
+    stage at head dim 128 (room for it since the row statistics skip shared memory) 0.99-1.02x
     two (H100, 2x6144 and 8x1536 x16x128, one A/B run), so two stay."""
 
     block_kv: int = 128
