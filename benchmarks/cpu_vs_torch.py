@@ -7,7 +7,13 @@ Dense rows: the CPU shapes of shared/BENCHMARKS.md (b x s x h x d, causal and no
 the FlashAttention convention (forward 4 b h sq skv d, halved for causal; forward+backward 3.5x
 that). Decode rows: q_seq 1..16 against a long KV cache; their figure is the K and V bytes read
 per second, next to this machine's copy bandwidth measured in the same run (a 256 MiB NumPy copy,
-bytes read + written), since decode is memory-bound. Every time is the best of `--repeats` after
+bytes read + written), since decode is memory-bound, and next to the arithmetic bound measured in
+the same run: `cpu_peak.c` (compiled here with `cc -march=native` where a C compiler and AVX-512
+are present) gives the cores' multiply-add peak R (512-bit FMAs for float32, VDPBF16PS for
+bfloat16), and a key of a kv head with r query rows (q_seq x the GQA group) and head dim d needs
+2 r d multiply-adds for its 2 d values of K and V, so no kernel reads them faster than R x (bytes
+of a value) / r. Where that bound is below a share of the copy bandwidth, the share cannot be
+reached on this machine. Every time is the best of `--repeats` after
 a warm-up, jitted (attnaux, XLA) or under `torch.no_grad` / autograd (torch), with both cores.
 torch is optional: without it its column is empty. Ratios > 1 mean attnaux is faster.
 """
@@ -59,6 +65,28 @@ def copy_bandwidth(repeats=5) -> float:
 
         t = best(copy, repeats)
     return 2 * src.nbytes / t
+
+
+def arithmetic_peak(seconds=0.3) -> dict[str, float] | None:
+    """`{"float32": R, "bfloat16": R}`, the multiply-adds per second of every core (`cpu_peak.c`;
+    bfloat16 falls back to the float32 FMAs where the CPU has no AVX-512 BF16), or None where
+    the probe cannot be built or run here (no C compiler, no AVX-512)."""
+    import subprocess
+    import tempfile
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peak.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "cpu_peak")
+        try:
+            subprocess.run([os.environ.get("CC", "cc"), "-O2", "-march=native", "-pthread",
+                            source, "-o", binary], check=True, capture_output=True)
+            result = subprocess.run([binary, str(os.cpu_count() or 1), str(seconds)], check=True,
+                                    capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    rates = dict((name, float(value)) for name, value in
+                 (line.split() for line in result.stdout.splitlines()))
+    return {"float32": rates["fma32"], "bfloat16": rates["dpbf16"] or rates["fma32"]}
 
 
 def jax_fns(q, k, v, w, causal, backend):
@@ -117,8 +145,12 @@ def main():
     bandwidth = copy_bandwidth()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
+    peak = arithmetic_peak() if args.only in (None, "decode") else None
     print(f"{cpu}; {os.cpu_count()} cores; JAX {jax.__version__}; torch {torch_version}; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); multiply-add peak "
+          + ("not measured" if peak is None else
+             f"{peak['float32'] / 1e9:.0f} G/s float32, {peak['bfloat16'] / 1e9:.0f} G/s "
+             "bfloat16"))
     rng = np.random.default_rng(0)
     for dtype in args.dtypes:
         jdtype = jnp.dtype(dtype)
@@ -151,8 +183,9 @@ def main():
         if args.only in (None, "decode"):
             print(f"\n### decode, {dtype}: K+V GB/s fwd (% of copy bandwidth), fwd+bwd ms")
             print("| b x sq x skv x hq/hkv x d | attnaux fwd | torch fwd | XLA fwd | "
-                  "attnaux / torch fwd | fwd+bwd ms attnaux / torch | attnaux / torch fwd+bwd |")
-            print("|---|---|---|---|---|---|---|")
+                  "attnaux / torch fwd | fwd+bwd ms attnaux / torch | attnaux / torch fwd+bwd "
+                  "| arithmetic bound GB/s (% of copy) | attnaux / bound |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for b, sq, skv, hq, hk, d in DECODE:
                 shapes = ((b, sq, hq, d), (b, skv, hk, d), (b, skv, hk, d), (b, sq, hq, d))
                 q, k, v, w = (jnp.asarray(rng.standard_normal(s), jdtype) for s in shapes)
@@ -171,9 +204,14 @@ def main():
                 def gbs(sec, kv_bytes=kv_bytes):
                     return f"{kv_bytes / sec / 1e9:.1f} ({kv_bytes / sec / bandwidth:.0%})"
 
+                # 2 r d multiply-adds per key of a kv head (r rows) for its 2 d values
+                rows = sq * (hq // hk)
+                bound = (float("nan") if peak is None
+                         else peak[dtype] * jdtype.itemsize / rows)
                 print(f"| {b}x{sq}x{skv}x{hq}/{hk}x{d} | {gbs(a[0])} | {gbs(t[0])} | "
                       f"{gbs(x[0])} | {t[0] / a[0]:.2f} | {a[1] * 1e3:.2f} / {t[1] * 1e3:.2f} | "
-                      f"{t[1] / a[1]:.2f} |", flush=True)
+                      f"{t[1] / a[1]:.2f} | {bound / 1e9:.1f} ({bound / bandwidth:.0%}) | "
+                      f"{kv_bytes / a[0] / bound:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+/* The multiply-add peak of this machine's cores, for benchmarks/cpu_vs_torch.py's decode bound.
+ *
+ *   cc -O2 -march=native -pthread benchmarks/cpu_peak.c -o cpu_peak && ./cpu_peak THREADS SECONDS
+ *
+ * prints two lines, "fma32 R" and "dpbf16 R": R is the float32 multiply-adds per second of all
+ * THREADS threads together, from 512-bit FMAs and from VDPBF16PS (two bfloat16 products summed
+ * into each float32 lane; "dpbf16 0" where the compiler does not target AVX-512 BF16). 24
+ * independent accumulator chains a thread, operands in registers: the issue rate, not a
+ * latency. A decode key of a kv head with r query rows and head dim d takes 2 r d multiply-adds
+ * (scores and values) whatever the kernel, so R bounds the rate at which any kernel can read
+ * its keys. */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define CHAINS 24
+#define STEPS 4096
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+struct job { double seconds; int bf16; double macs; float sink; };
+
+/* One pass: STEPS rounds of CHAINS independent FMAs (or VDPBF16PS) on 24 named accumulators.
+ * The empty asm keeps them in registers (an array of them would be stored to memory each
+ * round, and those stores, not the products, would set the rate) and keeps each round's
+ * instructions from being merged. */
+#define EACH(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) \
+  X(14) X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+#define DECLARE(i) __m512 a##i = _mm512_set1_ps((float)(i));
+#define KEEP                                                                               \
+  __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),      \
+                   "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));         \
+  __asm__ volatile("" : "+v"(a12), "+v"(a13), "+v"(a14), "+v"(a15), "+v"(a16), "+v"(a17), \
+                   "+v"(a18), "+v"(a19), "+v"(a20), "+v"(a21), "+v"(a22), "+v"(a23));
+#define SUM(i) + _mm512_reduce_add_ps(a##i)
+
+static float fma_pass(void) {
+  EACH(DECLARE)
+  const __m512 x = _mm512_set1_ps(0.5f), y = _mm512_set1_ps(1.0f);
+#define FMA(i) a##i = _mm512_fmadd_ps(a##i, x, y);
+  for (int s = 0; s < STEPS; ++s) {
+    EACH(FMA)
+    KEEP
+  }
+  return 0.0f EACH(SUM);
+}
+
+#ifdef __AVX512BF16__
+static float dpbf16_pass(void) {
+  EACH(DECLARE)
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f00);  /* 0.5 */
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3c00);  /* 2^-7: the sums stay small */
+#define DOT(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
+  for (int s = 0; s < STEPS; ++s) {
+    EACH(DOT)
+    KEEP
+  }
+  return 0.0f EACH(SUM);
+}
+#endif
+
+static void *run(void *arg) {
+  struct job *job = arg;
+  long passes = 0;
+  double start = now(), elapsed;
+  do {
+#ifdef __AVX512BF16__
+    job->sink += job->bf16 ? dpbf16_pass() : fma_pass();
+#else
+    job->sink += fma_pass();
+#endif
+    ++passes;
+  } while ((elapsed = now() - start) < job->seconds);
+  /* a 512-bit FMA is 16 float32 multiply-adds; a VDPBF16PS 32 bfloat16 products */
+  job->macs = (double)passes * STEPS * CHAINS * (job->bf16 ? 32 : 16) / elapsed;
+  return NULL;
+}
+
+static double peak(int threads, double seconds, int bf16) {
+  pthread_t ids[256];
+  struct job jobs[256];
+  double total = 0;
+  for (int t = 0; t < threads; ++t) {
+    jobs[t] = (struct job){seconds, bf16, 0, 0};
+    pthread_create(&ids[t], NULL, run, &jobs[t]);
+  }
+  for (int t = 0; t < threads; ++t) {
+    pthread_join(ids[t], NULL);
+    total += jobs[t].macs;
+  }
+  return total;
+}
+
+int main(int argc, char **argv) {
+  int threads = argc > 1 ? atoi(argv[1]) : 1;
+  double seconds = argc > 2 ? atof(argv[2]) : 0.3;
+  if (threads < 1 || threads > 256 || !(seconds > 0)) {
+    fprintf(stderr, "usage: cpu_peak THREADS(1-256) SECONDS(> 0)\n");
+    return 2;
+  }
+  printf("fma32 %.6g\n", peak(threads, seconds, 0));
+#ifdef __AVX512BF16__
+  printf("dpbf16 %.6g\n", peak(threads, seconds, 1));
+#else
+  printf("dpbf16 0\n");
+#endif
+  return 0;
+}
