@@ -88,7 +88,10 @@ static double peak(int threads, double seconds, int bf16) {
   double total = 0;
   for (int t = 0; t < threads; ++t) {
     jobs[t] = (struct job){seconds, bf16, 0, 0};
-    pthread_create(&ids[t], NULL, run, &jobs[t]);
+    if (pthread_create(&ids[t], NULL, run, &jobs[t]) != 0) {
+      fprintf(stderr, "cpu_peak: could not start thread %d of %d\n", t + 1, threads);
+      exit(1);
+    }
   }
   for (int t = 0; t < threads; ++t) {
     pthread_join(ids[t], NULL);
