@@ -844,18 +844,18 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
             qo_smem[...] = out.astype(dtype)
             row_max = m * scale if plain else m
             lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), empty)
+            stats = ((lse, lse_ref.at[b, h, pl.ds(q0, block_q)]),
+                     (jnp.where(seen, row_max, empty), max_ref.at[b, h, pl.ds(q0, block_q)]))
             if config.stats_in_smem:
-                stat_smem = stat_smem2.at[wg]
-                stat_smem.at[0][...] = lse
-                stat_smem.at[1][...] = jnp.where(seen, row_max, empty)
+                for i, (value, _) in enumerate(stats):
+                    stat_smem2.at[wg].at[i][...] = value
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q0, block_q), h])
-            if config.stats_in_smem:
-                plgpu.copy_smem_to_gmem(stat_smem.at[0], lse_ref.at[b, h, pl.ds(q0, block_q)])
-                plgpu.copy_smem_to_gmem(stat_smem.at[1], max_ref.at[b, h, pl.ds(q0, block_q)])
-            else:  # straight from the registers (no shared memory for them)
-                lse_ref.at[b, h, pl.ds(q0, block_q)][...] = lse
-                max_ref.at[b, h, pl.ds(q0, block_q)][...] = jnp.where(seen, row_max, empty)
+            for i, (value, dest) in enumerate(stats):
+                if config.stats_in_smem:
+                    plgpu.copy_smem_to_gmem(stat_smem2.at[wg].at[i], dest)
+                else:  # straight from the registers (no shared memory for them)
+                    dest[...] = value
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
