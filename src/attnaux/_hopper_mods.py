@@ -537,13 +537,17 @@ def plain_forward(cfg, q, k, v):
     bsz, q_seq, q_heads, dim = q.shape
     kv_seq = k.shape[1]
     geometry = geometry_of(cfg, q_seq, kv_seq)
-    st = Static(None, None, float(cfg.scale), geometry,
-                hopper.default_config(dim, -(-kv_seq // 128) * 128,
-                                      banded=geometry.causal or geometry.window is not None),
-                None)
+    st = Static(None, None, float(cfg.scale), geometry, _config(dim, kv_seq, geometry), None)
     ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
     out, lse, row_max = _ops(st)[0](_pad(q, 1, 128), _pad(k, 1, 128), _pad(v, 1, 128), *ids)
     return out[:, :q_seq], lse[..., :q_seq], row_max[..., :q_seq]
+
+
+def _config(dim: int, kv_seq: int, geometry: hopper.Geometry, widen: bool = True):
+    """`hopper.default_config` for the keys as the kernels see them (padded to 128, `_pad`);
+    `widen=False` keeps the 128-key forward tiles."""
+    return hopper.default_config(dim, -(-kv_seq // 128) * 128 if widen else None,
+                                 banded=geometry.causal or geometry.window is not None)
 
 
 def geometry_of(options, q_seq: int, kv_seq: int) -> hopper.Geometry:
@@ -572,8 +576,7 @@ def run(arrays, options, sp: Split | None, tables, tiles):
         cols = jnp.zeros((bsz, q_heads, 0, kv_seq), jnp.float32)
     geometry = geometry_of(options, q_seq, kv_seq)
     # mask_mod's tables keep the 128-key tiles (their skipping is unmeasured at 256)
-    config = hopper.default_config(dim, None if tiles is not None else -(-kv_seq // 128) * 128,
-                                   banded=geometry.causal or geometry.window is not None)
+    config = _config(dim, kv_seq, geometry, widen=tiles is None)
     packed = None
     if tiles is not None:
         n_q64, n_k64 = -(-q_seq // 128) * 2, -(-kv_seq // 128) * 2
