@@ -5,7 +5,8 @@
     python benchmarks/gpu_hopper.py --shapes 2x4096x32x64,8x1024x32x64   # these shapes
     python benchmarks/gpu_hopper.py --candidates hopper --config fused:fused_dq=True
         # an A/B of `_flash_hopper.Config` fields: each --config NAME:FIELD=VALUE[,...] adds a
-        # candidate `NAME`, the Hopper kernels with those fields changed
+        # candidate `NAME`, the Hopper kernels with those fields changed; `cuda_backward=True`
+        # puts the backward on the CUDA C++ kernel (csrc/cuda/hopper_bwd.cu) where it was built
 
 bf16 plain attention (no mask function), forward and forward+backward (`jax.vjp` of out with a
 fixed cotangent), side by side and taking turns (`gpu_flash.timed`):

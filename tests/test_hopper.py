@@ -130,24 +130,43 @@ def test_kernels_against_float32_reference(case):
 
     _, pull = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)), rows, cols)
     r_grads = pull((dout.astype(jnp.float32), dlse))
-    for form, got in (("default", grads), ("two kernels", reproducible)):
+    cuda = _cuda_backward_or_none(
+        q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap, geometry=geo,
+        tile_fn=tile, config=cfg)
+    forms = [("default", grads), ("two kernels", reproducible)]
+    if cuda is not None:  # plain scores at head dim 128, where the CUDA kernel is built
+        forms.append(("CUDA C++", cuda))
+    for form, got in forms:
         for name, g, r in zip(("dq", "dk", "dv", "drows", "dcols"), got, r_grads, strict=True):
             if tile is not None or name in ("dq", "dk", "dv"):
                 _close(g.astype(jnp.float32), r, 3e-2, f"{form}: {name}")
 
 
 def _both_backwards(*args, config, **kw):
-    """The default backward (dQ reduce-added inside the dK/dV kernel where it can be), and the
-    two-kernel form (`fused_dq=False`), which must be bitwise the same when run twice."""
+    """The default backward (plain scores on the CUDA C++ kernel where it was built, else dQ
+    reduce-added inside the dK/dV kernel where it can be), and the two-kernel form
+    (`fused_dq=False, cuda_backward=False`), which must be bitwise the same when run twice."""
     import dataclasses
 
     grads = fh.backward(*args, config=config, **kw)
-    two = dataclasses.replace(config, fused_dq=False)
+    two = dataclasses.replace(config, fused_dq=False, cuda_backward=False)
     reproducible = fh.backward(*args, config=two, **kw)
     again = fh.backward(*args, config=two, **kw)
     for g, h in zip(reproducible, again, strict=True):  # no atomics: bitwise reproducible
         np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
     return grads, reproducible
+
+
+def _cuda_backward_or_none(*args, config, **kw):
+    """The CUDA C++ backward's gradients where it serves the case (else None)."""
+    import dataclasses
+
+    cuda = dataclasses.replace(config, cuda_backward=True)
+    if not fh._cuda_backward_serves(args[0], cuda, softcap=kw["softcap"],
+                                    geometry=kw["geometry"], tile_fn=kw["tile_fn"],
+                                    tables=kw.get("tables"), dropout=kw.get("dropout")):
+        return None
+    return fh.backward(*args, config=cuda, **kw)
 
 
 def test_forward_key_tiles_by_head_dim_and_key_length():
@@ -172,6 +191,40 @@ def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
         assert not fh.default_config(64).fused_dq
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
     assert fh.default_config(64).fused_dq
+
+
+def test_which_backward_the_cuda_kernel_serves(monkeypatch):
+    """Plain scores at head dim 128 in 16-bit floats go to the CUDA C++ backward where it is
+    registered and the config asks for it (off by default) outside XLA's deterministic mode;
+    every modifier, packing, dropout, float32 and other head dims keep the Pallas kernels."""
+    import dataclasses
+
+    from attnaux import _ffi
+
+    registered = {"yes": True}
+    monkeypatch.setattr(_ffi, "has_target", lambda name, platform: (
+        registered["yes"] and name == fh.CUDA_BACKWARD_TARGET and platform == "cuda"))
+    monkeypatch.setenv("XLA_FLAGS", "")
+    geo = fh.Geometry(True, None, 0, 256, 256)
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    cfg = dataclasses.replace(fh.default_config(128), cuda_backward=True)
+
+    def serves(q=q, config=cfg, geometry=geo, **kw):
+        kw = {"softcap": None, "tile_fn": None, "tables": None, "dropout": None} | kw
+        return fh._cuda_backward_serves(q, config, geometry=geometry, **kw)
+
+    assert serves() and serves(q=q.astype(jnp.float16))
+    assert not fh.default_config(128).cuda_backward  # opt-in
+    assert not serves(config=fh.default_config(128))
+    assert not serves(softcap=30.0) and not serves(tile_fn=TILE) and not serves(dropout=0.1)
+    assert not serves(geometry=fh.Geometry(False, None, 0, 0, 0, packed=True))
+    assert not serves(q=q.astype(jnp.float32))
+    assert not serves(q=q[..., :64]) and not serves(q=jnp.zeros((1, 256, 4, 256), jnp.bfloat16))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    assert not serves()
+    monkeypatch.setenv("XLA_FLAGS", "")
+    registered["yes"] = False
+    assert not serves()
 
 
 # ---- dropout: attnaux's keep-mask drawn inside the kernels

@@ -27,6 +27,9 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_probs_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxBwdCuda);
         handlers["attnaux_zero_rows"] = attnaux::HandlerCapsule(AttnauxZeroRowsCuda);
         handlers["attnaux_fold_lse"] = attnaux::HandlerCapsule(AttnauxFoldLseCuda);
+#if ATTNAUX_HOPPER_BWD
+        handlers["attnaux_hopper_bwd"] = attnaux::HandlerCapsule(AttnauxHopperBwdCuda);
+#endif
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target "

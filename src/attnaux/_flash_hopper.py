@@ -35,6 +35,12 @@ two kernels at head dim 64; at 128 the extra product spills the dK/dV kernel's r
 runs 0.78-0.89x, so 128 keeps the two kernels. The reduce-adds' order varies from run to run:
 XLA's `--xla_gpu_deterministic_ops` flag selects the two kernels everywhere.
 
+A third backward, for plain scores at head dim 128, is CUDA C++ with CuTe
+(`csrc/cuda/hopper_bwd_kernel.cuh`, built where the CUTLASS headers are found): one kernel in
+FlashAttention-3's operand placement (S and dP transposed, P and dS fed to the dV and dK
+products from the registers, dQ bulk-reduce-added in float32). It is exact and opt-in
+(`Config.cuda_backward`): it measures 0.67-0.74x the Pallas backward forward+backward so far.
+
 Pallas Mosaic GPU ships with jaxlib; it is imported lazily (only on a GPU), as it needs
 `absl`, which CPU installs may lack.
 """
@@ -542,6 +548,12 @@ class Config:
     # registers: the registers' stores measured 0.96-1.03x (five of six shapes faster; H100,
     # head dims 128 and 64) and leave shared memory for a third stage at head dim 128
     stats_in_smem: bool = False
+    # plain scores' backward (no softcap, tile function, dropout or packing) at head dim 128 in
+    # the CUDA C++ kernel (csrc/cuda/hopper_bwd.cu, CuTe) where it was built: 5 products per
+    # tile pair, dQ bulk-reduce-added in float32, so not bitwise reproducible (never under XLA's
+    # deterministic mode). Off by default: forward+backward 0.67-0.74x with the Pallas
+    # backward so far (H100, docs/performance.md, 2026-11-27 fourth session)
+    cuda_backward: bool = False
 
 
 def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = False) -> Config:
@@ -1033,6 +1045,77 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
     return x, vjp
 
 
+def _row_stats(out, lse, dout, dlse):
+    """`[B, Hq, 2, Sq]` float32: per row the lse in log2 units (+inf for a row that sees
+    nothing, so that P = 0 there) and the row term D - dlse, D = rowsum(dO * O)."""
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    return jnp.stack([lse2, delta - dlse.astype(jnp.float32)], axis=2)
+
+
+CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd"
+
+
+def _cuda_backward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
+                          dropout) -> bool:
+    """Whether `backward` runs on the CUDA C++ kernel (`_cuda_backward`): plain scores (scale,
+    causal / window geometry, GQA), head dim 128, 16-bit inputs, asked for by `config`, XLA not
+    asked for deterministic results (its dQ sums come in a varying order), and built into this
+    install."""
+    from ._ffi import has_target
+
+    return (config.cuda_backward and softcap is None and tile_fn is None and tables is None
+            and not dropout and not geometry.packed and q.shape[3] == 128
+            and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] % BLOCK_Q == 0
+            and not deterministic_requested() and has_target(CUDA_BACKWARD_TARGET, "cuda"))
+
+
+def _cuda_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float,
+                   geometry: Geometry):
+    """`backward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_bwd.cu):
+    one kernel, a CTA per 128 keys of a kv head, FlashAttention-3's five products per tile pair,
+    dQ summed in float32 atomics and scaled here."""
+    import numpy as np
+
+    kv_seq = k.shape[1]
+    if kv_seq % 128:  # the kernel's key blocks (padding keys lie past geometry.kv_len)
+        pad = [(0, 0), (0, -kv_seq % 128), (0, 0), (0, 0)]
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    if geometry.causal and geometry.window is not None:
+        upper = min(0, geometry.window[1])
+    elif geometry.causal:
+        upper = 0
+    else:
+        upper = geometry.window[1] if geometry.window is not None else 0
+    bsz, q_seq, q_heads, dim = q.shape
+    dq_shape = (bsz, q_heads, q_seq // BLOCK_Q, 2, BLOCK_Q * dim // 2)
+    dq_sum, dk, dv = jax.ffi.ffi_call(CUDA_BACKWARD_TARGET, (
+        jax.ShapeDtypeStruct(dq_shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype)))(
+        q, k, v, dout.astype(q.dtype), _row_stats(out, lse, dout, dlse),
+        scale=np.float32(scale), q_len=np.int64(geometry.q_len),
+        kv_len=np.int64(geometry.kv_len), offset=np.int64(geometry.offset),
+        has_upper=np.int32(geometry.causal or geometry.window is not None),
+        upper=np.int64(upper), has_lower=np.int32(geometry.window is not None),
+        lower=np.int64(geometry.window[0] if geometry.window is not None else 0))
+    return _cuda_dq(dq_sum, scale, q.dtype), dk[:, :kv_seq], dv[:, :kv_seq], rows, cols
+
+
+def _cuda_dq(dq_sum, scale: float, dtype):
+    """dQ `[B, Sq, Hq, D]` from the CUDA backward's float32 sums `[B, Hq, Sq / 64, 2, 32 D]`:
+    per query tile of 64 rows, two warpgroups' 64 x D/2 halves, each in the order of the wgmma
+    accumulator's registers. Lane t0 + 4 t1 of warp t2 holds value v = v0 + 2 v1 + 4 v2 of row
+    16 t2 + 8 v1 + t1 and column 8 v2 + 2 t0 + v0, stored (16-byte stores of 4 values, a warp's
+    part contiguous) at 8 D t2 + 128 v2 + 16 t1 + 4 t0 + 2 v1 + v0: the order (t2, v2, t1, t0,
+    v1, v0)."""
+    bsz, q_heads, tiles, _, size = dq_sum.shape
+    half = size // BLOCK_Q
+    x = dq_sum.reshape(bsz, q_heads, tiles, 2, 4, half // 8, 8, 4, 2, 2)
+    # -> (b, tile, t2, v1, t1, head, half, v2, t0, v0): rows then columns
+    x = x.transpose(0, 2, 4, 8, 6, 1, 3, 5, 7, 9)
+    return (x.reshape(bsz, tiles * BLOCK_Q, q_heads, 2 * half) * scale).astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "geometry", "tile_fn",
                                              "config", "dropout"))
 def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap,
@@ -1046,6 +1129,10 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     while dS is made): 1.01-1.09x the awaited order forward+backward (H100, performance.md).
     `tables`, `infos` and `indices` as for `forward`; with `dropout`, dP and the P that meets
     dO are those of the dropped P (the forward's keep-mask, drawn again)."""
+    if _cuda_backward_serves(q, config, softcap=softcap, geometry=geometry, tile_fn=tile_fn,
+                             tables=tables, dropout=dropout):
+        return _cuda_backward(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale,
+                              geometry=geometry)
     pl, plgpu = _pallas()
     _check_packed(geometry, tile_fn, tables, infos)
     packed = geometry.packed
@@ -1067,9 +1154,7 @@ def backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float, softcap
     wgmma = plgpu.Layout.WGMMA
     # per row: lse in log2 units (+inf for a row that sees nothing, so that P = 0 there) and
     # the row term D - dlse
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    stats = jnp.stack([lse2, delta - dlse.astype(jnp.float32)], axis=2)  # [B, Hq, 2, Sq]
+    stats = _row_stats(out, lse, dout, dlse)
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     bq = bk = BLOCK_Q  # 64 x 64 tiles in the backward

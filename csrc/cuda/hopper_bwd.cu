@@ -1,0 +1,175 @@
+// `attnaux_hopper_bwd`: the XLA FFI handler of attnaux's own Hopper attention backward
+// (cuda/hopper_bwd_kernel.cuh). Called by `_flash_hopper.backward` for plain scores (scale,
+// causal / window geometry, GQA) at head dim 128 in bfloat16 or float16 when its config asks
+// for it and XLA was not asked for deterministic results; see hopper_bwd_params.h for the
+// operands' layouts.
+//
+// Built only for sm_90a, and only when the CUTLASS/CuTe headers were found (CMakeLists.txt);
+// the handler refuses another GPU with an error naming the device it found.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/ffi_utils.cuh"
+#include "cuda/hopper_bwd_kernel.cuh"
+#include "cuda/kernels_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace attnaux_hopper {
+namespace {
+
+using attnaux_cuda_kernels::AttnInvalid;
+using attnaux_cuda_kernels::CudaResult;
+
+constexpr const char* kTarget = "attnaux_hopper_bwd";
+
+template <class Traits>
+cudaError_t Launch(const BwdParams& p, cudaStream_t stream) {
+  auto kernel = HopperBwdKernel<Traits>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.kv_seq / Traits::kBlockN, p.kv_heads, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats,
+                         float scale, int64_t q_len, int64_t kv_len, int64_t offset,
+                         int32_t has_upper, int64_t upper, int32_t has_lower, int64_t lower,
+                         ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) {
+    return AttnInvalid(kTarget, "q and k must be [batch, seq, heads, dim], got q " + Dims(qd) +
+                                    " and k " + Dims(kd) + ".");
+  }
+  const int64_t bsz = qd[0], q_seq = qd[1], q_heads = qd[2], dim = qd[3];
+  const int64_t kv_seq = kd[1], kv_heads = kd[2];
+  if (kd[0] != bsz || kd[3] != dim || !SameDims(v.dimensions(), kd) ||
+      !SameDims(dout.dimensions(), qd)) {
+    return AttnInvalid(kTarget, "expected k and v of one shape [batch, kv_seq, kv_heads, dim] "
+                                "matching q's batch and dim, and dout of q's shape; got q " +
+                                    Dims(qd) + ", k " + Dims(kd) + ", v " + Dims(v.dimensions()) +
+                                    ", dout " + Dims(dout.dimensions()) + ".");
+  }
+  const auto dtype = q.element_type();
+  if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
+      v.element_type() != dtype || dout.element_type() != dtype ||
+      dk->element_type() != dtype || dv->element_type() != dtype) {
+    return AttnInvalid(kTarget, "q, k, v, dout, dk and dv must share one dtype, bfloat16 or "
+                                "float16.");
+  }
+  if (dim != 128) {
+    return AttnInvalid(kTarget, "head dim must be 128, got " + std::to_string(dim) + ".");
+  }
+  if (q_seq % 64 != 0 || kv_seq % 128 != 0) {
+    return AttnInvalid(kTarget, "q_seq must be a multiple of 64 and kv_seq of 128 (padded), got " +
+                                    std::to_string(q_seq) + " and " + std::to_string(kv_seq) + ".");
+  }
+  if (kv_heads == 0 || q_heads % kv_heads != 0) {
+    return AttnInvalid(kTarget, "q_heads (" + std::to_string(q_heads) +
+                                    ") must be a multiple of kv_heads (" +
+                                    std::to_string(kv_heads) + ").");
+  }
+  const int64_t want_stats[4] = {bsz, q_heads, 2, q_seq};
+  if (!SameDims(stats.dimensions(), ffi::Span<const int64_t>(want_stats, 4))) {
+    return AttnInvalid(kTarget, "stats must be [batch, q_heads, 2, q_seq] = " +
+                                    Dims(ffi::Span<const int64_t>(want_stats, 4)) + ", got " +
+                                    Dims(stats.dimensions()) + ".");
+  }
+  const int64_t want_dq[5] = {bsz, q_heads, q_seq / 64, 2, 32 * dim};
+  if (!SameDims(dq_accum->dimensions(), ffi::Span<const int64_t>(want_dq, 5)) ||
+      !SameDims(dk->dimensions(), kd) || !SameDims(dv->dimensions(), kd)) {
+    return AttnInvalid(kTarget, "dq_accum must be [batch, q_heads, q_seq / 64, 2, 32 dim] = " +
+                                    Dims(ffi::Span<const int64_t>(want_dq, 5)) + " (got " +
+                                    Dims(dq_accum->dimensions()) + ") and dk, dv of k's shape.");
+  }
+  if (bsz > 65535 || kv_heads > 65535 || q_seq > (1 << 30) || kv_seq > (1 << 30)) {
+    return AttnInvalid(kTarget, "batch and kv_heads must be at most 65535 and the sequences "
+                                "at most 2^30 (grid and int32 positions).");
+  }
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err != cudaSuccess) return CudaResult(kTarget, err);
+  if (major != 9 || minor != 0) {
+    return AttnInvalid(kTarget, "needs a Hopper GPU (sm_90), found compute capability " +
+                                    std::to_string(major) + "." + std::to_string(minor) + ".");
+  }
+
+  BwdParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.dout = dout.untyped_data();
+  p.stats = stats.typed_data();
+  p.dq_accum = dq_accum->typed_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.batch = int(bsz);
+  p.q_seq = int(q_seq);
+  p.kv_seq = int(kv_seq);
+  p.q_heads = int(q_heads);
+  p.kv_heads = int(kv_heads);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.q_len = int(q_len);
+  p.kv_len = int(kv_len);
+  p.offset = int(offset);
+  p.has_upper = has_upper != 0;
+  p.upper = int(upper);
+  p.has_lower = has_lower != 0;
+  p.lower = int(lower);
+
+  // every key block's CTA adds its dS K into dq_accum
+  err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * q.element_count(), stream);
+  if (err != cudaSuccess) return CudaResult(kTarget, err);
+  if (bsz == 0 || q_seq == 0 || kv_seq == 0 || q_heads == 0) return ffi::Error::Success();
+  err = dtype == ffi::BF16 ? Launch<BwdTraits<cutlass::bfloat16_t, 128>>(p, stream)
+                           : Launch<BwdTraits<cutlass::half_t, 128>>(p, stream);
+  return CudaResult(kTarget, err);
+}
+
+}  // namespace
+}  // namespace attnaux_hopper
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperBwdCuda, attnaux_hopper::HopperBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()           // q [B, Sq, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()           // k [B, Skv, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()           // v
+                                  .Arg<ffi::AnyBuffer>()           // dout [B, Sq, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // stats [B, Hq, 2, Sq]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("q_len")
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int32_t>("has_upper")
+                                  .Attr<int64_t>("upper")
+                                  .Attr<int32_t>("has_lower")
+                                  .Attr<int64_t>("lower")
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum [B, Hq, Sq/64, 2, 32 D]
+                                  .Ret<ffi::AnyBuffer>()           // dk [B, Skv, Hkv, D]
+                                  .Ret<ffi::AnyBuffer>(),          // dv
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,40 @@
+// The parameters of attnaux's own Hopper attention backward (cuda/hopper_bwd_kernel.cuh), shared by
+// the host (cuda/hopper_bwd.cu fills it from the FFI call) and the device (passed by value as a
+// __grid_constant__).
+//
+// Layouts (the padded problem of `_flash_hopper.backward`): q, dout [batch, q_seq, q_heads, dim];
+// k, v, dk, dv [batch, kv_seq, kv_heads, dim]; dq_accum [batch, q_heads, q_seq / 64, 2, 64 * dim / 2]
+// float32, the unscaled dS K summed by every key block's CTA, a query tile's two column halves in
+// the order of the wgmma accumulator's registers (`_flash_hopper._cuda_dq` reorders it); stats
+// [batch, q_heads, 2, q_seq] float32: per
+// row the lse in log2 units (+inf for a row that sees nothing, so that P = 0 there) and the row
+// term D - dlse, D = rowsum(dO * O).
+#pragma once
+
+#include <cstdint>
+
+namespace attnaux_hopper {
+
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* stats;
+  float* dq_accum;
+  void* dk;
+  void* dv;
+
+  int batch, q_seq, kv_seq, q_heads, kv_heads;
+
+  // softmax scale (dK's factor; dQ's is applied to dq_accum by the caller) and scale * log2(e)
+  float scale, scale_log2;
+
+  // Which (query row q, key kv) pairs are visible, in the padded problem's coordinates:
+  // kv < kv_len, q < q_len, and where `has_upper` kv <= q + offset + upper (causal: upper = 0),
+  // where `has_lower` kv >= q + offset - lower (a window's left size).
+  int q_len, kv_len, offset, upper, lower;
+  bool has_upper, has_lower;
+};
+
+}  // namespace attnaux_hopper
