@@ -142,7 +142,7 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.lower = int(lower);
 
   // every key block's CTA adds its dS K into dq_accum
-  err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * q.element_count(), stream);
+  err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * dq_accum->element_count(), stream);
   if (err != cudaSuccess) return CudaResult(kTarget, err);
   if (bsz == 0 || q_seq == 0 || kv_seq == 0 || q_heads == 0) return ffi::Error::Success();
   err = dtype == ffi::BF16 ? Launch<BwdTraits<cutlass::bfloat16_t, 128>>(p, stream)

@@ -1074,7 +1074,8 @@ def _cuda_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float,
                    geometry: Geometry):
     """`backward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_bwd.cu):
     one kernel, a CTA per 128 keys of a kv head, FlashAttention-3's five products per tile pair,
-    dQ summed in float32 atomics and scaled here."""
+    dQ's float32 partial sums bulk-reduce-added into a buffer that `_cuda_dq` reorders and
+    scales."""
     import numpy as np
 
     kv_seq = k.shape[1]
