@@ -621,3 +621,31 @@ def test_the_hopper_forward_row_runs_the_forward_kernel(causal, sink):
     close(out, want, 1e-5, "out")
     close(lse, aux.lse, 1e-5, "lse")
     close(row_max, aux.max, 1e-5, "max")
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_cuda_dq_reorders_the_accumulator_order(dim):
+    """`_cuda_dq` undoes the CUDA backward's dq_accum order: per query tile, two warpgroups'
+    64 x dim/2 halves; in each, lane t0 + 4 t1 of warp t2 holds value v = v0 + 2 v1 + 4 v2 of
+    row 16 t2 + 8 v1 + t1 and column 8 v2 + 2 t0 + v0 (the wgmma accumulator), written as 16-byte
+    groups of 4 values, a warp's part contiguous. Built element by element in NumPy."""
+    bsz, heads, tiles, half = 2, 3, 2, dim // 2
+    per_warp = 64 * half // 4
+    rng = np.random.default_rng(0)
+    want = np.zeros((bsz, tiles * 64, heads, dim), np.float32)
+    acc = np.zeros((bsz, heads, tiles, 2, 64 * half), np.float32)
+    for b in range(bsz):
+        for h in range(heads):
+            for tile in range(tiles):
+                for wg in range(2):
+                    for t in range(128):
+                        t0, t1, t2, lane = t % 4, (t // 4) % 8, t // 32, t % 32
+                        for v in range(64 * half // 128):
+                            v0, v1, v2 = v % 2, (v // 2) % 2, v // 4
+                            value = rng.standard_normal()
+                            want[b, tile * 64 + 16 * t2 + 8 * v1 + t1, h,
+                                 wg * half + 8 * v2 + 2 * t0 + v0] = value
+                            at = t2 * per_warp + 4 * (v2 * 32 + lane) + v % 4
+                            acc[b, h, tile, wg, at] = value
+    got = np.asarray(fh._cuda_dq(jnp.asarray(acc), 0.5, jnp.float32))
+    np.testing.assert_array_equal(got, want * 0.5)
