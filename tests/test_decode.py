@@ -60,10 +60,15 @@ CASES = {
     "one_row_lengths_window": ((3, 1, 2600, 6, 6, 128),
                                dict(kv_seqlens=jnp.asarray([2600, 701, 0]), causal="bottom_right",
                                     window=(900, 0), softcap=9.0)),
-    # 6 rows per kv head (GQA 3 x q_seq 2), d 128: the bfloat16 form pads them to 8 per score sum
+    # 6 rows per kv head (GQA 3 x q_seq 2), d 128, 2 kv heads: float32 on the dot form, bfloat16
+    # on the products (rows in the lanes)
     "few_rows_lengths_window": ((3, 2, 2300, 6, 2, 128),
                                 dict(kv_seqlens=jnp.asarray([2300, 900, 0]), causal="bottom_right",
                                      window=(800, 0), softcap=8.0)),
+    # the same with 8 kv heads, where the forms swap: float32 on the products, bfloat16 on its
+    # dot form, which pads the 6 rows to 8 per score sum
+    "few_rows_many_heads": ((2, 2, 1500, 24, 8, 128),
+                            dict(kv_seqlens=jnp.asarray([1500, 333]), causal="bottom_right")),
 }
 
 
@@ -72,6 +77,7 @@ CASES = {
 PARAMS = [(name, "float32") for name in sorted(CASES)] + [("one_row", "bfloat16"),
                                                           ("one_row_lengths_window", "bfloat16"),
                                                           ("few_rows_lengths_window", "bfloat16"),
+                                                          ("few_rows_many_heads", "bfloat16"),
                                                           ("gqa_rows", "bfloat16")]
 
 

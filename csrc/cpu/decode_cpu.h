@@ -41,6 +41,7 @@ inline constexpr int64_t kDecodeMaxRows = 64;  // GQA group x q_seq
 inline constexpr int64_t kDecodeChunk = 2048;  // keys per task (fixed: thread-independent)
 inline constexpr int64_t kDecodeTile = 64;     // keys converted and scored at a time
 inline constexpr int64_t kDecodeGemmRows = 8;  // rows per kv head from which S is a GEMM
+inline constexpr int64_t kDecodeFewRowsProducts = 4;  // from here too for some kv head counts
 inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V
 inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys/DotTileRows ask for ahead
 // The locality of the bfloat16 products' requests for the next tile (ScoresBf16, ScoresBf16Rows4,
@@ -1240,7 +1241,8 @@ inline void DotTileKeysBf16(const AttentionParams& p,
 }
 
 // DotTileRows for bfloat16 K and V of kC * 32 values per row, 2 to kDecodeGemmRows - 1 rows per
-// kv head (padded to kR: 2, 4 or 8), read in place: the scores on VDPBF16PS with the head dim in
+// kv head (4 or more only with more than 4 kv heads: DecodeForward) (padded to kR: 2, 4 or 8),
+// read in place: the scores on VDPBF16PS with the head dim in
 // the lanes (two chains over alternate 32-value chunks), kKeys = 16 / kR keys of one kv head x kR
 // rows summed together by SumLanes16 into each row's kKeys consecutive scores, kv heads in turn;
 // the online softmax a vector of keys at a time (TileSoftmax); P (float32, unrounded) times V
@@ -1370,12 +1372,22 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   // bfloat16 K and V rows of 64, 128 or 256 values with fewer than kDecodeGemmRows rows per kv
   // head: DotTileKeysBf16 (one row) or DotTileRowsBf16; the products above from 8 rows (their
   // FLOPs per key are then the lanes' own) or when K and V rows differ in length
-  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < kDecodeGemmRows &&
+  // 4 to 7 rows a kv head take the product forms too where they measured faster: float32 with
+  // 8 or more kv heads, bfloat16 with 4 or fewer (the opposite ways round). Zen 4, 2 cores,
+  // 4x1x8192 keys, 4 rows, d 128, K and V GB/s of the product forms over the dot forms, median
+  // of 3 taking turns: float32 0.90 / 0.89 / 1.19 / 1.17 with 2 / 4 / 8 / 16 kv heads, bfloat16
+  // 1.30 / 1.11 / 0.97 / 0.77; 6 rows, 8 kv heads, float32 ~1.35 (docs/performance.md,
+  // 2026-11-27 fourth session)
+  const bool few_rows_products =
+      n >= kDecodeFewRowsProducts && n < kDecodeGemmRows &&
+      ((p.elem == Elem::kF32 && hk >= 8) || (p.elem == Elem::kBF16 && hk <= 4));
+  const int64_t product_rows = few_rows_products ? kDecodeFewRowsProducts : kDecodeGemmRows;
+  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < product_rows &&
                          d == dv && (d == 64 || d == 128 || d == 256);
   const bool bf16_lanes = kHasBf16Dot && lanes_shape && p.elem == Elem::kBF16 && d % 4 == 0 &&
                           dv % kLanes == 0 && n >= 2 && !bf16_keys;
   const int64_t rows_padded = n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8;  // (DotTileRowsBf16's kR)
-  const bool gemm = (n >= kDecodeGemmRows && lanes_shape) || bf16_lanes;
+  const bool gemm = (n >= product_rows && lanes_shape) || bf16_lanes;
   // float32 rows of whole vectors are read in place; others are converted per tile
   const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
   const bool exact_keys = p.kv_len < (int64_t{1} << 24);  // key indices exact as float32
