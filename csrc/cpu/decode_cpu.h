@@ -1241,10 +1241,10 @@ inline void DotTileKeysBf16(const AttentionParams& p,
 }
 
 // DotTileRows for bfloat16 K and V of kC * 32 values per row, 2 to kDecodeGemmRows - 1 rows per
-// kv head (4 or more only with more than 4 kv heads: DecodeForward) (padded to kR: 2, 4 or 8),
-// read in place: the scores on VDPBF16PS with the head dim in
-// the lanes (two chains over alternate 32-value chunks), kKeys = 16 / kR keys of one kv head x kR
-// rows summed together by SumLanes16 into each row's kKeys consecutive scores, kv heads in turn;
+// kv head (from 4 only with more than 4 kv heads, DecodeForward; padded to kR: 2, 4 or 8), read
+// in place: the scores on VDPBF16PS with the head dim in the lanes (two chains over alternate
+// 32-value chunks), kKeys = 16 / kR keys of one kv head x kR rows summed together by SumLanes16
+// into each row's kKeys consecutive scores, kv heads in turn;
 // the online softmax a vector of keys at a time (TileSoftmax); P (float32, unrounded) times V
 // widened to float32, kValueKeys keys per load and store of an output block. The rows-in-lanes
 // products (ScoresBf16Rows4, ValuesBf16) spent 16 lanes of softmax on 4 rows and interleaved P
@@ -1380,7 +1380,7 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   // 2026-11-27 fourth session)
   const bool few_rows_products =
       n >= kDecodeFewRowsProducts && n < kDecodeGemmRows &&
-      ((p.elem == Elem::kF32 && hk >= 8) || (p.elem == Elem::kBF16 && hk <= 4));
+      ((p.elem == Elem::kF32 && hk >= 8) || (kHasBf16Dot && p.elem == Elem::kBF16 && hk <= 4));
   const int64_t product_rows = few_rows_products ? kDecodeFewRowsProducts : kDecodeGemmRows;
   const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < product_rows &&
                          d == dv && (d == 64 || d == 128 || d == 256);
