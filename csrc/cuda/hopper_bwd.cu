@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/ffi_shapes.h"
 #include "cuda/ffi_utils.cuh"
 #include "cuda/hopper_bwd_kernel.cuh"
 #include "cuda/kernels_cuda.h"
@@ -23,6 +24,9 @@ namespace {
 
 using attnaux_cuda_kernels::AttnInvalid;
 using attnaux_cuda_kernels::CudaResult;
+using Dims = attnaux::Dims;
+using attnaux::BracketShape;
+using attnaux::SameDims;
 
 constexpr const char* kTarget = "attnaux_hopper_bwd";
 
@@ -37,20 +41,6 @@ cudaError_t Launch(const BwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i]) return false;
-  }
-  return true;
-}
-
 ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> stats,
                          float scale, int64_t q_len, int64_t kv_len, int64_t offset,
@@ -59,8 +49,8 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) {
-    return AttnInvalid(kTarget, "q and k must be [batch, seq, heads, dim], got q " + Dims(qd) +
-                                    " and k " + Dims(kd) + ".");
+    return AttnInvalid(kTarget, "q and k must be [batch, seq, heads, dim], got q " +
+                                    BracketShape(qd) + " and k " + BracketShape(kd) + ".");
   }
   const int64_t bsz = qd[0], q_seq = qd[1], q_heads = qd[2], dim = qd[3];
   const int64_t kv_seq = kd[1], kv_heads = kd[2];
@@ -68,8 +58,9 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
       !SameDims(dout.dimensions(), qd)) {
     return AttnInvalid(kTarget, "expected k and v of one shape [batch, kv_seq, kv_heads, dim] "
                                 "matching q's batch and dim, and dout of q's shape; got q " +
-                                    Dims(qd) + ", k " + Dims(kd) + ", v " + Dims(v.dimensions()) +
-                                    ", dout " + Dims(dout.dimensions()) + ".");
+                                    BracketShape(qd) + ", k " + BracketShape(kd) + ", v " +
+                                    BracketShape(v.dimensions()) + ", dout " +
+                                    BracketShape(dout.dimensions()) + ".");
   }
   const auto dtype = q.element_type();
   if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
@@ -91,17 +82,18 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                                     std::to_string(kv_heads) + ").");
   }
   const int64_t want_stats[4] = {bsz, q_heads, 2, q_seq};
-  if (!SameDims(stats.dimensions(), ffi::Span<const int64_t>(want_stats, 4))) {
+  if (!SameDims(stats.dimensions(), Dims(want_stats, 4))) {
     return AttnInvalid(kTarget, "stats must be [batch, q_heads, 2, q_seq] = " +
-                                    Dims(ffi::Span<const int64_t>(want_stats, 4)) + ", got " +
-                                    Dims(stats.dimensions()) + ".");
+                                    BracketShape(Dims(want_stats, 4)) + ", got " +
+                                    BracketShape(stats.dimensions()) + ".");
   }
   const int64_t want_dq[5] = {bsz, q_heads, q_seq / 64, 2, 32 * dim};
-  if (!SameDims(dq_accum->dimensions(), ffi::Span<const int64_t>(want_dq, 5)) ||
+  if (!SameDims(dq_accum->dimensions(), Dims(want_dq, 5)) ||
       !SameDims(dk->dimensions(), kd) || !SameDims(dv->dimensions(), kd)) {
     return AttnInvalid(kTarget, "dq_accum must be [batch, q_heads, q_seq / 64, 2, 32 dim] = " +
-                                    Dims(ffi::Span<const int64_t>(want_dq, 5)) + " (got " +
-                                    Dims(dq_accum->dimensions()) + ") and dk, dv of k's shape.");
+                                    BracketShape(Dims(want_dq, 5)) + " (got " +
+                                    BracketShape(dq_accum->dimensions()) +
+                                    ") and dk, dv of k's shape.");
   }
   if (bsz > 65535 || kv_heads > 65535 || q_seq > (1 << 30) || kv_seq > (1 << 30)) {
     return AttnInvalid(kTarget, "batch and kv_heads must be at most 65535 and the sequences "
@@ -109,8 +101,12 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   }
   int device = 0, major = 0, minor = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
   if (err != cudaSuccess) return CudaResult(kTarget, err);
   if (major != 9 || minor != 0) {
     return AttnInvalid(kTarget, "needs a Hopper GPU (sm_90), found compute capability " +
@@ -169,7 +165,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperBwdCuda, attnaux_hopper::HopperBwdImp
                                   .Attr<int64_t>("upper")
                                   .Attr<int32_t>("has_lower")
                                   .Attr<int64_t>("lower")
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum [B, Hq, Sq/64, 2, 32 D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum [B,Hq,Sq/64,2,32D]
                                   .Ret<ffi::AnyBuffer>()           // dk [B, Skv, Hkv, D]
                                   .Ret<ffi::AnyBuffer>(),          // dv
                               {ffi::Traits::kCmdBufferCompatible});
