@@ -149,6 +149,14 @@ __device__ __forceinline__ bool Visible(const BwdParams& p, int q, int kv) {
          (!p.has_lower || kv >= q + p.offset - p.lower);
 }
 
+// Visible without short-circuit branches (predicates and selects only), for the per-element
+// loops of partly visible tiles
+__device__ __forceinline__ bool VisibleNoBranch(const BwdParams& p, int q, int kv) {
+  return static_cast<bool>(int(kv < p.kv_len) & int(q < p.q_len) &
+                           (int(!p.has_upper) | int(kv <= q + p.offset + p.upper)) &
+                           (int(!p.has_lower) | int(kv >= q + p.offset - p.lower)));
+}
+
 __device__ __forceinline__ void FenceAsyncShared() {
   // the generic proxy's shared-memory writes (cp.async, st.shared) made visible to the async
   // proxy (wgmma, bulk copies)

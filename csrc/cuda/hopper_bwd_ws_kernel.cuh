@@ -1,0 +1,352 @@
+// EXPERIMENT (branch cuda-bwd-ws, not yet run on a GPU): hopper_bwd_kernel.cuh's backward fed
+// as FlashAttention-3 feeds its own: a producer warpgroup (one thread issuing TMA loads, 24
+// registers) and two consumer warpgroups (240 registers), a two-stage mbarrier pipeline for Q,
+// dO and the row statistics, K and V loaded once by TMA, dS double-buffered so that the only
+// barrier of the consumers a step is the one that publishes dS for the dQ product. Same math,
+// same operands' layouts, same dq_accum order as hopper_bwd_kernel.cuh.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "cuda/hopper_bwd_kernel.cuh"
+
+namespace attnaux_hopper {
+
+template <class Element_, int kHeadDim_>
+struct WsTraits : BwdTraits<Element_, kHeadDim_> {
+  using Base = BwdTraits<Element_, kHeadDim_>;
+  using Element = Element_;
+  using typename Base::BlockM;
+  using typename Base::BlockN;
+  using typename Base::HeadDim;
+  using typename Base::SmemAtom;
+  static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kHeadDim = kHeadDim_;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
+  static constexpr int kConsumerThreads = 256;
+
+  using SmemLayoutQOne = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, BlockN, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<BlockN, BlockM, _2>{},
+                                  Stride<BlockM, _1, Int<kBlockM * kBlockN>>{})));
+  using SmemLayoutStats = Layout<Shape<BlockM, _2>>;  // (row, lse2 | row term)
+
+  // global tensors as TMA sees them: (seq, dim, heads, batch) and the stats (seq, 2, heads, batch)
+  using ShapeSeq = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideStats = Stride<_1, int64_t, int64_t, int64_t>;
+  using GmemSeq = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                       ShapeSeq{}, StrideSeq{}));
+  using GmemStats = decltype(make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)),
+                                         ShapeSeq{}, StrideStats{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemSeq{}, SmemLayoutQOne{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemSeq{}, typename Base::SmemLayoutKV{}));
+  using TmaStats = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemStats{}, SmemLayoutStats{}));
+
+  static constexpr uint32_t kStepBytes =
+      2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
+  static constexpr uint32_t kKvBytes = 2 * kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) float dq[2][Base::kDqWarpgroupFloats];
+    alignas(1024) Element q[cosize_v<typename Base::SmemLayoutQ>];
+    alignas(1024) Element dout[cosize_v<typename Base::SmemLayoutQ>];
+    alignas(1024) Element k[cosize_v<typename Base::SmemLayoutKV>];
+    alignas(1024) Element v[cosize_v<typename Base::SmemLayoutKV>];
+    alignas(1024) Element ds[cosize_v<SmemLayoutdS>];
+    alignas(16) float stats[kStages][2][kBlockM];
+    alignas(8) uint64_t full[kStages];
+    alignas(8) uint64_t empty[kStages];
+    alignas(8) uint64_t kv_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+};
+
+template <class Traits>
+struct WsParams {
+  BwdParams p;
+  typename Traits::TmaQ tma_q, tma_dout;
+  typename Traits::TmaKV tma_k, tma_v;
+  typename Traits::TmaStats tma_stats;
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    HopperBwdWsKernel(const __grid_constant__ WsParams<Traits> params) {
+  using T = typename Traits::Element;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  using SharedStorage = typename Traits::SharedStorage;
+  const BwdParams& p = params.p;
+  extern __shared__ char smem_raw[];
+  // aligned to the swizzle atoms' 1024 bytes by an offset into smem_raw, not through an integer:
+  // the compiler then still knows every pointer into `shared` is a shared-memory address
+  // (ld.shared / st.shared; a round trip through uintptr_t made them generic loads and stores,
+  // and the dQ staging's fence a MEMBAR.ALL.CTA: 15-20% of the consumers' stall samples in ncu)
+  SharedStorage& shared = *reinterpret_cast<SharedStorage*>(
+      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023));
+
+  const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const int lane = threadIdx.x % 32;
+  const int n0 = blockIdx.x * N;
+  const int kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.q_heads / p.kv_heads;
+  const int64_t kv_row = int64_t(p.kv_heads) * D;
+
+  int m_lo = 0;
+  int m_hi = min((p.q_len + M - 1) / M, p.q_seq / M);
+  if (p.has_upper) m_lo = max(m_lo, FloorDiv(n0 - p.offset - p.upper, M));
+  if (p.has_lower) m_hi = min(m_hi, FloorDiv(n0 + N - 1 - p.offset + p.lower, M) + 1);
+  if (n0 >= p.kv_len) m_hi = m_lo;
+  const int n_m = max(m_hi - m_lo, 0);
+  const int steps = group * n_m;
+
+  if (warp == 0 && cute::elect_one_sync()) {
+    for (int s = 0; s < kStages; ++s) {
+      FullBarrier::init(&shared.full[s], 1);
+      EmptyBarrier::init(&shared.empty[s], Traits::kConsumerThreads / 32);
+    }
+    FullBarrier::init(&shared.kv_full, 1);
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q), typename Traits::Base::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dout), typename Traits::Base::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k), typename Traits::Base::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v), typename Traits::Base::SmemLayoutKV{});
+
+  if (warp < 4) {  // ---- producer warpgroup: one thread issues every load
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp == 0 && cute::elect_one_sync() && steps > 0) {
+      Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
+      Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
+      Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<N>, Int<D>>{}, make_coord(blockIdx.x, 0));
+      Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<N>, Int<D>>{}, make_coord(blockIdx.x, 0));
+      auto tma_k = params.tma_k.get_slice(Int<0>{});
+      auto tma_v = params.tma_v.get_slice(Int<0>{});
+      FullBarrier::arrive_and_expect_tx(&shared.kv_full, Traits::kKvBytes);
+      copy(params.tma_k.with(shared.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+      copy(params.tma_v.with(shared.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+      Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.q_seq, D, p.q_heads, p.batch));
+      Tensor mdO = params.tma_dout.get_tma_tensor(make_shape(p.q_seq, D, p.q_heads, p.batch));
+      Tensor mS = params.tma_stats.get_tma_tensor(make_shape(p.q_seq, 2, p.q_heads, p.batch));
+      auto tma_q = params.tma_q.get_slice(Int<0>{});
+      auto tma_do = params.tma_dout.get_slice(Int<0>{});
+      auto tma_s = params.tma_stats.get_slice(Int<0>{});
+      int h = kv_head * group, m_block = m_lo;
+      for (int step = 0; step < steps; ++step) {
+        const int s = step % kStages;
+        if (step >= kStages) EmptyBarrier::wait(&shared.empty[s], ((step / kStages) - 1) & 1);
+        Tensor sS = make_tensor(make_smem_ptr(&shared.stats[s][0][0]),
+                                typename Traits::SmemLayoutStats{});
+        FullBarrier::arrive_and_expect_tx(&shared.full[s], Traits::kStepBytes);
+        copy(params.tma_q.with(shared.full[s]),
+             tma_q.partition_S(local_tile(mQ(_, _, h, b), Shape<Int<M>, Int<D>>{},
+                                          make_coord(m_block, 0))),
+             tma_q.partition_D(sQ(_, _, s)));
+        copy(params.tma_dout.with(shared.full[s]),
+             tma_do.partition_S(local_tile(mdO(_, _, h, b), Shape<Int<M>, Int<D>>{},
+                                           make_coord(m_block, 0))),
+             tma_do.partition_D(sdO(_, _, s)));
+        copy(params.tma_stats.with(shared.full[s]),
+             tma_s.partition_S(local_tile(mS(_, _, h, b), Shape<Int<M>, _2>{},
+                                          make_coord(m_block, 0))),
+             tma_s.partition_D(sS));
+        if (++m_block == m_hi) m_block = m_lo, ++h;  // (no division by n_m a step)
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int tid = threadIdx.x - 128;  // 0 .. 255
+  const int wg = warp / 4 - 1;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
+  clear(tdKrdK);
+  clear(tdVrdV);
+
+  if (steps > 0) {
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds), typename Traits::SmemLayoutdS{});
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q), typename Traits::Base::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout), typename Traits::Base::SmemLayoutQt{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k), typename Traits::Base::SmemLayoutKt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds), typename Traits::SmemLayoutdSt{});
+
+    auto wg_sdp = mma_sdp.get_slice(wg * 128);
+    auto wg_dkv = mma_dkv.get_slice(wg * 128);
+    auto wg_dq = mma_dq.get_slice(wg * 128);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_N, MMA_K, STAGE)
+    Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, STAGE)
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);    // (MMA, MMA_M, MMA_K, STAGE)
+    Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
+
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));
+    auto ds_store = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, T>{}, mma_sdp);
+    auto thr_ds_store = ds_store.get_thread_slice(tid);
+    Tensor tdSsdS = thr_ds_store.partition_D(as_position_independent_swizzle_tensor(sdSt));
+    const int wg_thread = tid % 128;
+    float* dq_smem = shared.dq[wg] + (wg_thread / 32) * (Traits::kDqWarpgroupFloats / 4);
+
+    FullBarrier::wait(&shared.kv_full, 0);
+    int h = kv_head * group, m_block = m_lo;
+    for (int step = 0; step < steps; ++step) {
+      const int s = step % kStages;
+      const int ds_stage = step & 1;
+      const int m0 = m_block * M;
+      FullBarrier::wait(&shared.full[s], (step / kStages) & 1);
+
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
+      gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
+      gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
+
+      const bool full = n0 + N <= p.kv_len && m0 + M <= p.q_len &&
+                        (!p.has_upper || n0 + N - 1 <= m0 + p.offset + p.upper) &&
+                        (!p.has_lower || n0 >= m0 + M - 1 + p.offset - p.lower);
+      // this thread's rows' statistics into registers while the products run (a shared-memory
+      // load right before each use stalled the exponentials)
+      float lse2[size(tSrS)];
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) lse2[i] = shared.stats[s][0][get<1>(tScS(i))];
+      const float* row_term_row = shared.stats[s][1];
+      warpgroup_wait<1>();  // S^T
+      if (full) {  // two loops, so that no element of a whole tile branches
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = Exp2(tSrS(i) * p.scale_log2 - lse2[i]);
+        warpgroup_wait<0>();  // dP^T
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - row_term_row[get<1>(tScS(i))]);
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          const bool visible = VisibleNoBranch(p, m0 + get<1>(tScS(i)), n0 + get<0>(tScS(i)));
+          tSrS(i) = visible ? Exp2(tSrS(i) * p.scale_log2 - lse2[i]) : 0.0f;
+        }
+        warpgroup_wait<0>();  // dP^T
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) {  // an invisible pair's dP may be anything
+          const float ds = tSrS(i) * (tdPrdP(i) - row_term_row[get<1>(tScS(i))]);
+          tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
+        }
+      }
+      Tensor rP = make_tensor_like<T>(tSrS);
+      Tensor rdS = make_tensor_like<T>(tdPrdP);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        rP(i) = static_cast<T>(tSrS(i));
+        rdS(i) = static_cast<T>(tdPrdP(i));
+      }
+      // sdS[ds_stage] was last read by the dQ product two steps ago, which every consumer
+      // awaited before the last step's barrier below
+      copy(ds_store, thr_ds_store.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
+
+      Tensor tdVrP = make_tensor(rP.data(), AccumulatorAsA(tSrS.layout()));
+      gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, s), tdVrdV);
+      FenceAsyncShared();
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dS are in
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<M>, Int<D>>{});
+      gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
+      Tensor tdKrdS = make_tensor(rdS.data(), AccumulatorAsA(tdPrdP.layout()));
+      gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);  // dV and dQ done
+      constexpr int kWarpFloats = Traits::kDqWarpgroupFloats / 4;
+      if (lane == 0) BulkWaitRead();  // this warp's last dQ part has left shared memory
+      __syncwarp();
+      CUTE_UNROLL
+      for (int j = 0; j < size(tdQrdQ) / 4; ++j) {
+        reinterpret_cast<float4*>(dq_smem)[j * 32 + lane] =
+            make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+      }
+      FenceAsyncShared();
+      __syncwarp();
+      if (lane == 0) {
+        const int64_t tile = (int64_t(b) * p.q_heads + h) * (p.q_seq / M) + m0 / M;
+        BulkReduceAdd(p.dq_accum + (tile * 2 + wg) * Traits::kDqWarpgroupFloats +
+                          (wg_thread / 32) * kWarpFloats,
+                      dq_smem, kWarpFloats * 4);
+      }
+      warpgroup_wait<0>();
+      __syncwarp();
+      if (lane == 0) EmptyBarrier::arrive(&shared.empty[s]);  // Q, dO, stats of stage s read
+      if (++m_block == m_hi) m_block = m_lo, ++h;
+    }
+    if (lane == 0) BulkWait();
+  }
+
+  // dK (times the softmax scale) and dV through shared memory (the Q and dO stages, free once
+  // both warpgroups' last products are done), then out in 16-byte rows: writing the
+  // accumulators' element pairs straight to global memory took ~8% of the kernel at 2048 keys
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every product of the loop is done
+  Tensor sdK = make_tensor(make_smem_ptr(shared.q), typename Traits::Base::SmemLayoutKV{});
+  Tensor sdV = make_tensor(make_smem_ptr(shared.dout), typename Traits::Base::SmemLayoutKV{});
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdKsdK = thr_dkv.partition_C(sdK);
+  Tensor tdVsdV = thr_dkv.partition_C(sdV);
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) {
+    tdKsdK(i) = static_cast<T>(tdKrdK(i) * p.scale);
+    tdVsdV(i) = static_cast<T>(tdVrdV(i));
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  constexpr int kChunks = D / 8;  // 16-byte chunks a row
+  T* dk = static_cast<T*>(p.dk) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
+  T* dv = static_cast<T*>(p.dv) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
+  CUTE_UNROLL
+  for (int c = tid; c < N * kChunks; c += Traits::kConsumerThreads) {
+    const int row = c / kChunks, col = (c % kChunks) * 8;
+    // a 16-byte chunk of a row stays whole under the 128-byte swizzle
+    *reinterpret_cast<uint4*>(dk + row * kv_row + col) =
+        *reinterpret_cast<const uint4*>(&sdK(row, col));
+    *reinterpret_cast<uint4*>(dv + row * kv_row + col) =
+        *reinterpret_cast<const uint4*>(&sdV(row, col));
+  }
+}
+
+// The TMA descriptors of a call (built on the host from its pointers and sizes).
+template <class Traits>
+WsParams<Traits> MakeWsParams(const BwdParams& p) {
+  using T = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim;
+  auto seq_tensor = [&](const void* ptr, int seq, int heads) {
+    return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
+                       make_shape(int32_t(seq), int32_t(D), int32_t(heads), int32_t(p.batch)),
+                       make_stride(int64_t(heads) * D, _1{}, int64_t(D), int64_t(seq) * heads * D));
+  };
+  WsParams<Traits> w{};
+  w.p = p;
+  w.tma_q = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.q, p.q_seq, p.q_heads),
+                          typename Traits::SmemLayoutQOne{});
+  w.tma_dout = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.dout, p.q_seq, p.q_heads),
+                             typename Traits::SmemLayoutQOne{});
+  w.tma_k = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.k, p.kv_seq, p.kv_heads),
+                          typename Traits::Base::SmemLayoutKV{});
+  w.tma_v = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.v, p.kv_seq, p.kv_heads),
+                          typename Traits::Base::SmemLayoutKV{});
+  Tensor stats = make_tensor(
+      make_gmem_ptr(p.stats),
+      make_shape(int32_t(p.q_seq), int32_t(2), int32_t(p.q_heads), int32_t(p.batch)),
+      make_stride(_1{}, int64_t(p.q_seq), int64_t(2) * p.q_seq, int64_t(2) * p.q_heads * p.q_seq));
+  w.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, stats, typename Traits::SmemLayoutStats{});
+  return w;
+}
+
+}  // namespace attnaux_hopper
