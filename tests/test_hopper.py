@@ -214,8 +214,14 @@ def test_which_backward_the_cuda_kernel_serves(monkeypatch):
         return fh._cuda_backward_serves(q, config, geometry=geometry, **kw)
 
     assert serves() and serves(q=q.astype(jnp.float16))
-    assert not fh.default_config(128).cuda_backward  # opt-in
-    assert not serves(config=fh.default_config(128))
+    # on by default at head dim 128 except banded below 4096 keys (measured slower there)
+    assert fh.default_config(128).cuda_backward and fh.default_config(128, 4096).cuda_backward
+    assert fh.default_config(128, 8192, banded=True).cuda_backward
+    assert not fh.default_config(128, 2048, banded=True).cuda_backward
+    assert not fh.default_config(128, banded=True).cuda_backward
+    assert not fh.default_config(64).cuda_backward and not fh.default_config(256).cuda_backward
+    assert serves(config=fh.default_config(128))
+    assert not serves(config=fh.default_config(128, 2048, banded=True))
     assert not serves(softcap=30.0) and not serves(tile_fn=TILE) and not serves(dropout=0.1)
     assert not serves(geometry=fh.Geometry(False, None, 0, 0, 0, packed=True))
     assert not serves(q=q.astype(jnp.float32))

@@ -9,13 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "common/ffi_shapes.h"
 #include "cuda/ffi_utils.cuh"
 #include "cuda/hopper_bwd_kernel.cuh"
-#include "cuda/hopper_bwd_ws_kernel.cuh"
 #include "cuda/kernels_cuda.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,19 +36,8 @@ cudaError_t Launch(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.kv_seq / Traits::kBlockN, p.kv_heads, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
-// EXPERIMENT (branch cuda-bwd-ws): the warp-specialized form, chosen by ATTNAUX_HOPPER_BWD_WS=1
-template <class Traits>
-cudaError_t LaunchWs(const BwdParams& p, cudaStream_t stream) {
-  auto kernel = HopperBwdWsKernel<Traits>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Traits::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  const WsParams<Traits> params = MakeWsParams<Traits>(p);
+  // the TMA descriptors of this call's tensors, passed as a __grid_constant__ parameter
+  const KernelParams<Traits> params = MakeKernelParams<Traits>(p);
   const dim3 grid(p.kv_seq / Traits::kBlockN, p.kv_heads, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
@@ -156,14 +143,8 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * dq_accum->element_count(), stream);
   if (err != cudaSuccess) return CudaResult(kTarget, err);
   if (bsz == 0 || q_seq == 0 || kv_seq == 0 || q_heads == 0) return ffi::Error::Success();
-  const char* ws = std::getenv("ATTNAUX_HOPPER_BWD_WS");
-  if (ws != nullptr && ws[0] == '1') {
-    err = dtype == ffi::BF16 ? LaunchWs<WsTraits<cutlass::bfloat16_t, 128>>(p, stream)
-                             : LaunchWs<WsTraits<cutlass::half_t, 128>>(p, stream);
-  } else {
-    err = dtype == ffi::BF16 ? Launch<BwdTraits<cutlass::bfloat16_t, 128>>(p, stream)
-                             : Launch<BwdTraits<cutlass::half_t, 128>>(p, stream);
-  }
+  err = dtype == ffi::BF16 ? Launch<BwdTraits<cutlass::bfloat16_t, 128>>(p, stream)
+                           : Launch<BwdTraits<cutlass::half_t, 128>>(p, stream);
   return CudaResult(kTarget, err);
 }
 

@@ -2,39 +2,44 @@
 // dK, dV and dQ with FlashAttention-3's five matrix products per tile pair and its operand
 // placement (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp, head dim 128: S and dP computed
 // transposed, P^T and dS^T fed to the dV and dK products straight from the registers, dS shared
-// through shared memory for dQ, whose float32 partial sums are added into a global buffer).
+// through shared memory for dQ, whose float32 partial sums are added into a global buffer), fed
+// as FlashAttention-3 feeds its own.
 //
-// A CTA owns 128 keys of one kv head (two warpgroups, 64 keys each, holding dK and dV for them in
-// registers) and walks every query tile of 64 rows that can see them, over each query head of its
-// GQA group. Per step (m: a query tile of one head):
-//   S^T = K Q^T, dP^T = V dO^T                (wgmma, shared-memory operands)
-//   P^T = exp2(S^T * scale log2 e - lse2)      (masked pairs 0)
-//   dS^T = P^T * (dP^T - (D - dlse))           (the lse cotangent folded into the row term)
-//   dV += P^T dO, dK += dS^T Q                 (wgmma, P^T and dS^T from the registers)
-//   dQ_m += dS K                               (wgmma over both warpgroups' dS, a warpgroup per half
-//                                               of the head dim; its float32 tile staged in shared
-//                                               memory and bulk-reduce-added into dq_accum)
-// Q, dO and the row statistics of step m+1 are loaded by every thread with cp.async while step m
-// computes (two stages). dq_accum holds each warp's part of a warpgroup's 64 x kHeadDim/2 tile of
-// a query tile contiguously, in the accumulator's register order (the caller reorders it, as
-// FlashAttention-3's postprocess does), so that one bulk copy of each warp adds it. The float32
-// additions into dq_accum come in a varying order: the caller keeps a bitwise reproducible path
-// (the two-kernel Pallas backward) for XLA's deterministic mode.
+// A CTA owns 128 keys of one kv head and walks every query tile of 64 rows that can see them,
+// over each query head of its GQA group:
+// - a producer warpgroup (24 registers after setmaxnreg): one thread loads K and V once and the
+//   Q, dO and row statistics of each step by TMA into a two-stage mbarrier pipeline;
+// - two consumer warpgroups (240 registers), 64 keys each, holding dK and dV in registers. Per
+//   step (m: a query tile of one head):
+//     S^T = K Q^T, dP^T = V dO^T                (wgmma, shared-memory operands)
+//     P^T = exp2(S^T * scale log2 e - lse2)      (masked pairs 0)
+//     dS^T = P^T * (dP^T - (D - dlse))           (the lse cotangent folded into the row term)
+//     dV += P^T dO, dK += dS^T Q                 (wgmma, P^T and dS^T from the registers)
+//     dQ_m += dS K                               (wgmma over both warpgroups' dS, a warpgroup
+//                                                 per half of the head dim; its float32 tile
+//                                                 staged in shared memory and bulk-reduce-added
+//                                                 into dq_accum by each warp's first lane)
+//   dS is double-buffered, so the consumers' one barrier a step is the one that publishes it.
+// dq_accum holds each warp's part of a warpgroup's 64 x kHeadDim/2 tile of a query tile
+// contiguously, in the accumulator's register order (the caller reorders it, as
+// FlashAttention-3's postprocess does). The float32 additions into dq_accum come in a varying
+// order: the caller keeps a bitwise reproducible path (the two-kernel Pallas backward) for XLA's
+// deterministic mode.
 //
-// Where it stands (H100, docs/performance.md): correct (parity tests, compute-sanitizer memcheck
-// clean) but 0.67-0.74x the Pallas backward forward+backward, so `Config.cuda_backward` is off by
-// default. Removing parts one at a time (an earlier build, with a libm exp2f) showed the
-// skeleton itself slow: with the softmax's exponentials, the dQ reduction, the per-step loads and
-// the dS store all removed, the five products and two barriers a step ran at about the Pallas
-// backward's whole speed. What FlashAttention-3 has and this kernel lacks: a producer warp with
-// TMA loads and mbarrier pipelines (no barrier of all 256 threads a step) and register
-// reallocation (setmaxnreg); ptxas also spills 56-68 bytes a thread here at 255 registers.
+// Where it stands (H100, docs/performance.md, 2026-11-27 fifth session): 1.09-1.21x the Pallas
+// backward at 4x2048 and 1x8192 keys x 16 heads (causal at 2048: 0.96x); cuDNN's and
+// FlashAttention-3's backwards are still ahead. The first form of this kernel (every thread
+// loading by cp.async, two barriers of all 256 threads a step) ran at 0.67-0.74x the Pallas one.
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
 #include "cuda/hopper_bwd_params.h"
@@ -49,8 +54,9 @@ struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;    // query rows a step
   static constexpr int kBlockN = 128;   // keys a CTA
-  static constexpr int kThreads = 256;  // two warpgroups; warpgroup w owns keys [64 w, 64 w + 64)
-  static constexpr int kStages = 2;     // Q and dO tiles in flight
+  static constexpr int kThreads = 384;  // a producer warpgroup, then two consumer warpgroups
+  static constexpr int kConsumerThreads = 256;  // consumer warpgroup w owns keys [64 w, 64 w + 64)
+  static constexpr int kStages = 2;     // Q, dO and row statistics in flight
   static_assert(kHeadDim % 64 == 0, "a row of K must fill whole 128-byte swizzle atoms");
 
   using BlockM = Int<kBlockM>;
@@ -77,17 +83,37 @@ struct BwdTraits {
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, Int<kStages>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
-  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, BlockN>{}));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<HeadDim, BlockM, Int<kStages>>{},
                                  Stride<BlockM, _1, Int<kBlockM * kHeadDim>>{})));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<HeadDim, BlockN>{}, Stride<BlockN, _1>{})));
-  using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_layout(Shape<BlockN, BlockM>{}, Stride<BlockM, _1>{})));
 
   // a warpgroup's dQ tile, 64 x kHeadDim / 2 float32
   static constexpr int kDqWarpgroupFloats = kBlockM * kHeadDim / 2;
+
+  using SmemLayoutQOne = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, BlockN, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<BlockN, BlockM, _2>{},
+                                  Stride<BlockM, _1, Int<kBlockM * kBlockN>>{})));
+  using SmemLayoutStats = Layout<Shape<BlockM, _2>>;  // (row, lse2 | row term)
+
+  // global tensors as TMA sees them: (seq, dim, heads, batch) and the stats (seq, 2, heads, batch)
+  using ShapeSeq = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideStats = Stride<_1, int64_t, int64_t, int64_t>;
+  using GmemSeq = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                       ShapeSeq{}, StrideSeq{}));
+  using GmemStats = decltype(make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)),
+                                         ShapeSeq{}, StrideStats{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemSeq{}, SmemLayoutQOne{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemSeq{}, SmemLayoutKV{}));
+  using TmaStats = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemStats{}, SmemLayoutStats{}));
+
+  static constexpr uint32_t kStepBytes =
+      2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
+  static constexpr uint32_t kKvBytes = 2 * kBlockN * kHeadDim * sizeof(Element);
 
   struct SharedStorage {
     alignas(1024) float dq[2][kDqWarpgroupFloats];
@@ -96,19 +122,13 @@ struct BwdTraits {
     alignas(1024) Element k[cosize_v<SmemLayoutKV>];
     alignas(1024) Element v[cosize_v<SmemLayoutKV>];
     alignas(1024) Element ds[cosize_v<SmemLayoutdS>];
-    alignas(16) float lse2[kStages][kBlockM];
-    alignas(16) float row_term[kStages][kBlockM];
+    alignas(16) float stats[kStages][2][kBlockM];
+    alignas(8) uint64_t full[kStages];
+    alignas(8) uint64_t empty[kStages];
+    alignas(8) uint64_t kv_full;
   };
   // the dynamic shared memory is aligned by hand to the swizzle atoms' 1024 bytes
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
-
-  // 16-byte cp.async: a thread copies 8 elements, kHeadDim / 8 threads a row
-  static constexpr int kThreadsPerRow = kHeadDim / 8;
-  using GmemTiledCopy = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-      Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
-             Stride<Int<kThreadsPerRow>, _1>>{},
-      Layout<Shape<_1, _8>>{}));
 };
 
 // wgmma of a whole K extent, issued as one batch; kWait >= 0 waits until at most kWait batches
@@ -144,21 +164,16 @@ __device__ __forceinline__ int FloorDiv(int a, int b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
+// whether query row q sees key kv, without short-circuit branches (predicates and selects only:
+// it runs per element of the partly visible tiles)
 __device__ __forceinline__ bool Visible(const BwdParams& p, int q, int kv) {
-  return kv < p.kv_len && q < p.q_len && (!p.has_upper || kv <= q + p.offset + p.upper) &&
-         (!p.has_lower || kv >= q + p.offset - p.lower);
-}
-
-// Visible without short-circuit branches (predicates and selects only), for the per-element
-// loops of partly visible tiles
-__device__ __forceinline__ bool VisibleNoBranch(const BwdParams& p, int q, int kv) {
   return static_cast<bool>(int(kv < p.kv_len) & int(q < p.q_len) &
                            (int(!p.has_upper) | int(kv <= q + p.offset + p.upper)) &
                            (int(!p.has_lower) | int(kv >= q + p.offset - p.lower)));
 }
 
 __device__ __forceinline__ void FenceAsyncShared() {
-  // the generic proxy's shared-memory writes (cp.async, st.shared) made visible to the async
+  // the generic proxy's shared-memory writes (st.shared, stmatrix) made visible to the async
   // proxy (wgmma, bulk copies)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -190,23 +205,38 @@ __device__ __forceinline__ void BulkWait() {
 }
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    HopperBwdKernel(const __grid_constant__ BwdParams p) {
-  using T = typename Traits::Element;
-  constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim;
-  using SharedStorage = typename Traits::SharedStorage;
-  extern __shared__ char smem_raw[];
-  SharedStorage& shared = *reinterpret_cast<SharedStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+struct KernelParams {
+  BwdParams p;
+  typename Traits::TmaQ tma_q, tma_dout;
+  typename Traits::TmaKV tma_k, tma_v;
+  typename Traits::TmaStats tma_stats;
+};
 
-  const int tid = threadIdx.x;
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    HopperBwdKernel(const __grid_constant__ KernelParams<Traits> params) {
+  using T = typename Traits::Element;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  using SharedStorage = typename Traits::SharedStorage;
+  const BwdParams& p = params.p;
+  extern __shared__ char smem_raw[];
+  // aligned to the swizzle atoms' 1024 bytes by an offset into smem_raw, not through an integer:
+  // the compiler then still knows every pointer into `shared` is a shared-memory address
+  // (ld.shared / st.shared; a round trip through uintptr_t made them generic loads and stores,
+  // and the dQ staging's fence a MEMBAR.ALL.CTA: 15-20% of the consumers' stall samples in ncu)
+  SharedStorage& shared = *reinterpret_cast<SharedStorage*>(
+      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023));
+
+  const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const int lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * N;
   const int kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.q_heads / p.kv_heads;
-  const int64_t q_row = int64_t(p.q_heads) * D;    // elements between query rows
-  const int64_t kv_row = int64_t(p.kv_heads) * D;  // between key rows
+  const int64_t kv_row = int64_t(p.kv_heads) * D;
 
-  // the query tiles whose rows see some key of [n0, n0 + N)
   int m_lo = 0;
   int m_hi = min((p.q_len + M - 1) / M, p.q_seq / M);
   if (p.has_upper) m_lo = max(m_lo, FloorDiv(n0 - p.offset - p.upper, M));
@@ -215,6 +245,69 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int n_m = max(m_hi - m_lo, 0);
   const int steps = group * n_m;
 
+  if (warp == 0 && cute::elect_one_sync()) {
+    for (int s = 0; s < kStages; ++s) {
+      FullBarrier::init(&shared.full[s], 1);
+      EmptyBarrier::init(&shared.empty[s], Traits::kConsumerThreads / 32);
+    }
+    FullBarrier::init(&shared.kv_full, 1);
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dout), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v), typename Traits::SmemLayoutKV{});
+
+  if (warp < 4) {  // ---- producer warpgroup: one thread issues every load
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp == 0 && cute::elect_one_sync() && steps > 0) {
+      Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
+      Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
+      Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<N>, Int<D>>{}, make_coord(blockIdx.x, 0));
+      Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<N>, Int<D>>{}, make_coord(blockIdx.x, 0));
+      auto tma_k = params.tma_k.get_slice(Int<0>{});
+      auto tma_v = params.tma_v.get_slice(Int<0>{});
+      FullBarrier::arrive_and_expect_tx(&shared.kv_full, Traits::kKvBytes);
+      copy(params.tma_k.with(shared.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+      copy(params.tma_v.with(shared.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+      Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.q_seq, D, p.q_heads, p.batch));
+      Tensor mdO = params.tma_dout.get_tma_tensor(make_shape(p.q_seq, D, p.q_heads, p.batch));
+      Tensor mS = params.tma_stats.get_tma_tensor(make_shape(p.q_seq, 2, p.q_heads, p.batch));
+      auto tma_q = params.tma_q.get_slice(Int<0>{});
+      auto tma_do = params.tma_dout.get_slice(Int<0>{});
+      auto tma_s = params.tma_stats.get_slice(Int<0>{});
+      int h = kv_head * group, m_block = m_lo;
+      for (int step = 0; step < steps; ++step) {
+        const int s = step % kStages;
+        if (step >= kStages) EmptyBarrier::wait(&shared.empty[s], ((step / kStages) - 1) & 1);
+        Tensor sS = make_tensor(make_smem_ptr(&shared.stats[s][0][0]),
+                                typename Traits::SmemLayoutStats{});
+        FullBarrier::arrive_and_expect_tx(&shared.full[s], Traits::kStepBytes);
+        copy(params.tma_q.with(shared.full[s]),
+             tma_q.partition_S(local_tile(mQ(_, _, h, b), Shape<Int<M>, Int<D>>{},
+                                          make_coord(m_block, 0))),
+             tma_q.partition_D(sQ(_, _, s)));
+        copy(params.tma_dout.with(shared.full[s]),
+             tma_do.partition_S(local_tile(mdO(_, _, h, b), Shape<Int<M>, Int<D>>{},
+                                           make_coord(m_block, 0))),
+             tma_do.partition_D(sdO(_, _, s)));
+        copy(params.tma_stats.with(shared.full[s]),
+             tma_s.partition_S(local_tile(mS(_, _, h, b), Shape<Int<M>, _2>{},
+                                          make_coord(m_block, 0))),
+             tma_s.partition_D(sS));
+        if (++m_block == m_hi) m_block = m_lo, ++h;  // (no division by n_m a step)
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int tid = threadIdx.x - 128;  // 0 .. 255
+  const int wg = warp / 4 - 1;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
   typename Traits::TiledMmadQ mma_dq;
@@ -223,106 +316,74 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   clear(tdKrdK);
   clear(tdVrdV);
 
-  Tensor sQ = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(shared.dout), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(shared.k), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(shared.v), typename Traits::SmemLayoutKV{});
-  Tensor sdS = make_tensor(make_smem_ptr(shared.ds), typename Traits::SmemLayoutdS{});
-  Tensor sQt = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(shared.dout), typename Traits::SmemLayoutQt{});
-  Tensor sKt = make_tensor(make_smem_ptr(shared.k), typename Traits::SmemLayoutKt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(shared.ds), typename Traits::SmemLayoutdSt{});
-
   if (steps > 0) {
-    typename Traits::GmemTiledCopy gmem_copy;
-    auto thr_copy = gmem_copy.get_thread_slice(tid);
-    {
-      const int64_t at = (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
-      Tensor gK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + at),
-                              Shape<Int<N>, Int<D>>{}, make_stride(kv_row, _1{}));
-      Tensor gV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + at),
-                              Shape<Int<N>, Int<D>>{}, make_stride(kv_row, _1{}));
-      copy(gmem_copy, thr_copy.partition_S(gK), thr_copy.partition_D(sK));
-      copy(gmem_copy, thr_copy.partition_S(gV), thr_copy.partition_D(sV));
-      cp_async_fence();
-    }
-    // Q, dO, lse2 and the row term of a step into a stage
-    auto load_step = [&](int step, int stage) {
-      const int h = kv_head * group + step / n_m;
-      const int m0 = (m_lo + step % n_m) * M;
-      const int64_t at = (int64_t(b) * p.q_seq + m0) * q_row + int64_t(h) * D;
-      Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + at),
-                              Shape<Int<M>, Int<D>>{}, make_stride(q_row, _1{}));
-      Tensor gdO = make_tensor(make_gmem_ptr(static_cast<const T*>(p.dout) + at),
-                               Shape<Int<M>, Int<D>>{}, make_stride(q_row, _1{}));
-      copy(gmem_copy, thr_copy.partition_S(gQ), thr_copy.partition_D(sQ(_, _, stage)));
-      copy(gmem_copy, thr_copy.partition_S(gdO), thr_copy.partition_D(sdO(_, _, stage)));
-      if (tid < 2 * M / 4) {  // 4 floats a thread: lse2, then the row term
-        const int which = tid / (M / 4), at4 = (tid % (M / 4)) * 4;
-        const float* src = p.stats + ((int64_t(b) * p.q_heads + h) * 2 + which) * p.q_seq + m0 + at4;
-        float* dst = (which == 0 ? shared.lse2[stage] : shared.row_term[stage]) + at4;
-        SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
-            *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst));
-      }
-      cp_async_fence();
-    };
-    load_step(0, 0);
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds), typename Traits::SmemLayoutdS{});
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout), typename Traits::SmemLayoutQt{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k), typename Traits::SmemLayoutKt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds), typename Traits::SmemLayoutdSt{});
 
-    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
     auto wg_sdp = mma_sdp.get_slice(wg * 128);
     auto wg_dkv = mma_dkv.get_slice(wg * 128);
     auto wg_dq = mma_dq.get_slice(wg * 128);
-    Tensor tSrK = wg_sdp.partition_fragment_A(sK);    // (MMA, MMA_M, MMA_K)
-    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);    // (MMA, MMA_N, MMA_K, STAGE)
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_N, MMA_K, STAGE)
     Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
     Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
     Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, STAGE)
     Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);    // (MMA, MMA_M, MMA_K, STAGE)
     Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
 
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));  // (key, row)
-    // dS^T from the registers into sdS, transposed on the way by stmatrix (FlashAttention-3's
-    // SM90_U16x8_STSM_T with S computed transposed)
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));
     auto ds_store = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, T>{}, mma_sdp);
     auto thr_ds_store = ds_store.get_thread_slice(tid);
     Tensor tdSsdS = thr_ds_store.partition_D(as_position_independent_swizzle_tensor(sdSt));
-    const int wg_thread = tid % 128, lane = tid % 32;
+    const int wg_thread = tid % 128;
     float* dq_smem = shared.dq[wg] + (wg_thread / 32) * (Traits::kDqWarpgroupFloats / 4);
 
+    FullBarrier::wait(&shared.kv_full, 0);
+    int h = kv_head * group, m_block = m_lo;
     for (int step = 0; step < steps; ++step) {
-      const int stage = step & 1;
-      const int h = kv_head * group + step / n_m;
-      const int m0 = (m_lo + step % n_m) * M;
-      if (lane == 0) BulkWaitRead();  // the last step's dQ tile has left shared memory
-      cp_async_wait<0>();
-      FenceAsyncShared();
-      __syncthreads();  // this step's tiles are in; every product of the last step is done
+      const int s = step % kStages;
+      const int ds_stage = step & 1;
+      const int m0 = m_block * M;
+      FullBarrier::wait(&shared.full[s], (step / kStages) & 1);
 
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
-      gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+      gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
-      gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-      // the next step's loads are issued while the tensor cores run these two
-      if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+      gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
 
       const bool full = n0 + N <= p.kv_len && m0 + M <= p.q_len &&
                         (!p.has_upper || n0 + N - 1 <= m0 + p.offset + p.upper) &&
                         (!p.has_lower || n0 >= m0 + M - 1 + p.offset - p.lower);
+      // this thread's rows' statistics into registers while the products run (a shared-memory
+      // load right before each use stalled the exponentials)
+      float lse2[size(tSrS)];
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) lse2[i] = shared.stats[s][0][get<1>(tScS(i))];
+      const float* row_term_row = shared.stats[s][1];
       warpgroup_wait<1>();  // S^T
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        const int row = get<1>(tScS(i));
-        const float prob = Exp2(tSrS(i) * p.scale_log2 - shared.lse2[stage][row]);
-        tSrS(i) = (full || Visible(p, m0 + row, n0 + get<0>(tScS(i)))) ? prob : 0.0f;
-      }
-      warpgroup_wait<0>();  // dP^T
-      CUTE_UNROLL
-      for (int i = 0; i < size(tdPrdP); ++i) {
-        const int row = get<1>(tScS(i));
-        const float ds = tSrS(i) * (tdPrdP(i) - shared.row_term[stage][row]);
-        tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;  // (an invisible pair's dP may be anything)
+      if (full) {  // two loops, so that no element of a whole tile branches
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = Exp2(tSrS(i) * p.scale_log2 - lse2[i]);
+        warpgroup_wait<0>();  // dP^T
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - row_term_row[get<1>(tScS(i))]);
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          const bool visible = Visible(p, m0 + get<1>(tScS(i)), n0 + get<0>(tScS(i)));
+          tSrS(i) = visible ? Exp2(tSrS(i) * p.scale_log2 - lse2[i]) : 0.0f;
+        }
+        warpgroup_wait<0>();  // dP^T
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) {  // an invisible pair's dP may be anything
+          const float ds = tSrS(i) * (tdPrdP(i) - row_term_row[get<1>(tScS(i))]);
+          tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
+        }
       }
       Tensor rP = make_tensor_like<T>(tSrS);
       Tensor rdS = make_tensor_like<T>(tdPrdP);
@@ -331,20 +392,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         rP(i) = static_cast<T>(tSrS(i));
         rdS(i) = static_cast<T>(tdPrdP(i));
       }
-      copy(ds_store, thr_ds_store.retile_S(rdS), tdSsdS);
+      // sdS[ds_stage] was last read by the dQ product two steps ago, which every consumer
+      // awaited before the last step's barrier below
+      copy(ds_store, thr_ds_store.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
 
       Tensor tdVrP = make_tensor(rP.data(), AccumulatorAsA(tSrS.layout()));
-      gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
+      gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, s), tdVrdV);
       FenceAsyncShared();
-      __syncthreads();  // both warpgroups' dS are in shared memory
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dS are in
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<M>, Int<D>>{});
-      gemm<true, -1>(mma_dq, tdQrdS, tdQrK, tdQrdQ);
+      gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
       Tensor tdKrdS = make_tensor(rdS.data(), AccumulatorAsA(tdPrdP.layout()));
-      gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dV and dQ done
-      // each warp's part of the warpgroup's dQ tile, in the accumulator's register order (16
-      // bytes a store), then bulk-reduce-added by its first lane: no wait on the other warps
+      gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);  // dV and dQ done
       constexpr int kWarpFloats = Traits::kDqWarpgroupFloats / 4;
-      static_assert(size(decltype(tdQrdQ){}) * 32 == kWarpFloats);
+      if (lane == 0) BulkWaitRead();  // this warp's last dQ part has left shared memory
+      __syncwarp();
       CUTE_UNROLL
       for (int j = 0; j < size(tdQrdQ) / 4; ++j) {
         reinterpret_cast<float4*>(dq_smem)[j * 32 + lane] =
@@ -359,23 +421,68 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                       dq_smem, kWarpFloats * 4);
       }
       warpgroup_wait<0>();
+      __syncwarp();
+      if (lane == 0) EmptyBarrier::arrive(&shared.empty[s]);  // Q, dO, stats of stage s read
+      if (++m_block == m_hi) m_block = m_lo, ++h;
     }
     if (lane == 0) BulkWait();
   }
 
-  // dK (times the softmax scale) and dV of this CTA's keys; zeros where no row sees them
-  Tensor tKVc = mma_dkv.get_thread_slice(tid).partition_C(
-      make_identity_tensor(Shape<Int<N>, Int<D>>{}));  // (key, column)
+  // dK (times the softmax scale) and dV through shared memory (the Q and dO stages, free once
+  // both warpgroups' last products are done), then out in 16-byte rows: writing the
+  // accumulators' element pairs straight to global memory took ~8% of the kernel at 2048 keys
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every product of the loop is done
+  Tensor sdK = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutKV{});
+  Tensor sdV = make_tensor(make_smem_ptr(shared.dout), typename Traits::SmemLayoutKV{});
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdKsdK = thr_dkv.partition_C(sdK);
+  Tensor tdVsdV = thr_dkv.partition_C(sdV);
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) {
+    tdKsdK(i) = static_cast<T>(tdKrdK(i) * p.scale);
+    tdVsdV(i) = static_cast<T>(tdVrdV(i));
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  constexpr int kChunks = D / 8;  // 16-byte chunks a row
   T* dk = static_cast<T*>(p.dk) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
   T* dv = static_cast<T*>(p.dv) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
   CUTE_UNROLL
-  for (int i = 0; i < size(tdKrdK); i += 2) {
-    const int64_t at = get<0>(tKVc(i)) * kv_row + get<1>(tKVc(i));
-    dk[at] = static_cast<T>(tdKrdK(i) * p.scale);
-    dk[at + 1] = static_cast<T>(tdKrdK(i + 1) * p.scale);
-    dv[at] = static_cast<T>(tdVrdV(i));
-    dv[at + 1] = static_cast<T>(tdVrdV(i + 1));
+  for (int c = tid; c < N * kChunks; c += Traits::kConsumerThreads) {
+    const int row = c / kChunks, col = (c % kChunks) * 8;
+    // a 16-byte chunk of a row stays whole under the 128-byte swizzle
+    *reinterpret_cast<uint4*>(dk + row * kv_row + col) =
+        *reinterpret_cast<const uint4*>(&sdK(row, col));
+    *reinterpret_cast<uint4*>(dv + row * kv_row + col) =
+        *reinterpret_cast<const uint4*>(&sdV(row, col));
   }
+}
+
+// The TMA descriptors of a call (built on the host from its pointers and sizes).
+template <class Traits>
+KernelParams<Traits> MakeKernelParams(const BwdParams& p) {
+  using T = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim;
+  auto seq_tensor = [&](const void* ptr, int seq, int heads) {
+    return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
+                       make_shape(int32_t(seq), int32_t(D), int32_t(heads), int32_t(p.batch)),
+                       make_stride(int64_t(heads) * D, _1{}, int64_t(D), int64_t(seq) * heads * D));
+  };
+  KernelParams<Traits> w{};
+  w.p = p;
+  w.tma_q = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.q, p.q_seq, p.q_heads),
+                          typename Traits::SmemLayoutQOne{});
+  w.tma_dout = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.dout, p.q_seq, p.q_heads),
+                             typename Traits::SmemLayoutQOne{});
+  w.tma_k = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.k, p.kv_seq, p.kv_heads),
+                          typename Traits::SmemLayoutKV{});
+  w.tma_v = make_tma_copy(SM90_TMA_LOAD{}, seq_tensor(p.v, p.kv_seq, p.kv_heads),
+                          typename Traits::SmemLayoutKV{});
+  Tensor stats = make_tensor(
+      make_gmem_ptr(p.stats),
+      make_shape(int32_t(p.q_seq), int32_t(2), int32_t(p.q_heads), int32_t(p.batch)),
+      make_stride(_1{}, int64_t(p.q_seq), int64_t(2) * p.q_seq, int64_t(2) * p.q_heads * p.q_seq));
+  w.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, stats, typename Traits::SmemLayoutStats{});
+  return w;
 }
 
 }  // namespace attnaux_hopper

@@ -38,8 +38,9 @@ XLA's `--xla_gpu_deterministic_ops` flag selects the two kernels everywhere.
 A third backward, for plain scores at head dim 128, is CUDA C++ with CuTe
 (`csrc/cuda/hopper_bwd_kernel.cuh`, built where the CUTLASS headers are found): one kernel in
 FlashAttention-3's operand placement (S and dP transposed, P and dS fed to the dV and dK
-products from the registers, dQ bulk-reduce-added in float32). It is exact and opt-in
-(`Config.cuda_backward`): it measures 0.67-0.74x the Pallas backward forward+backward so far.
+products from the registers, dQ bulk-reduce-added in float32) and its feeding (a TMA producer
+warpgroup, an mbarrier pipeline, setmaxnreg). It is exact and serves by default
+(`Config.cuda_backward`, `default_config`) where it measured faster than the Pallas backward.
 
 Pallas Mosaic GPU ships with jaxlib; it is imported lazily (only on a GPU), as it needs
 `absl`, which CPU installs may lack.
@@ -551,8 +552,7 @@ class Config:
     # plain scores' backward (no softcap, tile function, dropout or packing) at head dim 128 in
     # the CUDA C++ kernel (csrc/cuda/hopper_bwd.cu, CuTe) where it was built: 5 products per
     # tile pair, dQ bulk-reduce-added in float32, so not bitwise reproducible (never under XLA's
-    # deterministic mode). Off by default: forward+backward 0.67-0.74x with the Pallas
-    # backward so far (H100, docs/performance.md, 2026-11-27 fourth session)
+    # deterministic mode). `default_config` says where it serves
     cuda_backward: bool = False
 
 
@@ -574,11 +574,17 @@ def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = F
     # (2x4096x32x64, 8x1024x16x64) and 0.78-0.89x at 128, where ptxas spilled 690-860 bytes a
     # thread in the dK/dV kernel beside dK's and dV's 64 x 128 float32 accumulators (32-250
     # without it; docs/performance.md, sixth session)
+    # The CUDA C++ backward measured 1.09-1.21x the Pallas backward at head dim 128 (backward
+    # alone, H100, bf16: 4x2048x16 and 1x8192x16 without a mask, 1x8192x16 causal) but 0.96x
+    # causal at 4x2048 (0.94x forward+backward), where the diagonal's masked tiles weigh more:
+    # it serves except banded below 4096 keys (docs/performance.md, 2026-11-27 fifth session)
     wide = (head_dim <= 64 and kv_seq is not None and kv_seq % 256 == 0
             and (not banded or kv_seq >= 4096))
+    cuda = head_dim == 128 and not (banded and (kv_seq is None or kv_seq < 4096))
     return Config(block_kv=256 if wide else 128 if head_dim <= 128 else 64, stages=2,
                   overlap=head_dim >= 128 and _accumulator_store_available(),
-                  fused_dq=head_dim <= 64 and not deterministic_requested())
+                  fused_dq=head_dim <= 64 and not deterministic_requested(),
+                  cuda_backward=cuda)
 
 
 def deterministic_requested() -> bool:
