@@ -5,14 +5,16 @@
     python benchmarks/gpu_hopper.py --shapes 2x4096x32x64,8x1024x32x64   # these shapes
     python benchmarks/gpu_hopper.py --candidates hopper --config fused:fused_dq=True
         # an A/B of `_flash_hopper.Config` fields: each --config NAME:FIELD=VALUE[,...] adds a
-        # candidate `NAME`, the Hopper kernels with those fields changed; `cuda_backward=True`
-        # puts the backward on the CUDA C++ kernel (csrc/cuda/hopper_bwd.cu) where it was built
+        # candidate `NAME`, the Hopper kernels with those fields changed; `cuda_backward=False`
+        # keeps the Pallas backward where `default_config` takes the CUDA C++ one
+        # (csrc/cuda/hopper_bwd.cu, where it was built)
 
 bf16 plain attention (no mask function), forward and forward+backward (`jax.vjp` of out with a
 fixed cotangent), side by side and taking turns (`gpu_flash.timed`):
 
 - `hopper`: attnaux's Pallas kernels (`_flash_hopper.forward`, and its backward as the VJP:
-  dQ summed in the dK/dV kernel at head dim 64, a second kernel at 128), called directly;
+  dQ summed in the dK/dV kernel at head dim 64; at 128 the CUDA C++ backward where
+  `default_config` takes it, else a second kernel for dQ), called directly;
 - each `--config` candidate: the same with some `Config` fields changed;
 - `cudnn`: cuDNN through attnaux's FFI handlers, forward and backward (`_flash_cudnn`);
 - `flash`: `attnaux.attention(backend="flash")` as `auto` runs it for plain attention on GPU:
