@@ -60,13 +60,13 @@ CASES = {
     "one_row_lengths_window": ((3, 1, 2600, 6, 6, 128),
                                dict(kv_seqlens=jnp.asarray([2600, 701, 0]), causal="bottom_right",
                                     window=(900, 0), softcap=9.0)),
-    # 6 rows per kv head (GQA 3 x q_seq 2), d 128, 2 kv heads: float32 on the dot form, bfloat16
-    # on the products (rows in the lanes)
+    # 6 rows per kv head (GQA 3 x q_seq 2), d 128, 2 kv heads: the dot forms (DotTileRows,
+    # DotTileRowsBf16), whose requests for K and V ahead go into L2
     "few_rows_lengths_window": ((3, 2, 2300, 6, 2, 128),
                                 dict(kv_seqlens=jnp.asarray([2300, 900, 0]), causal="bottom_right",
                                      window=(800, 0), softcap=8.0)),
-    # the same with 8 kv heads, where the forms swap: float32 on the products, bfloat16 on its
-    # dot form, which pads the 6 rows to 8 per score sum
+    # the same with 8 kv heads (the products served float32 here until 2026-11-27); bfloat16's
+    # dot form pads the 6 rows to 8 per score sum
     "few_rows_many_heads": ((2, 2, 1500, 24, 8, 128),
                             dict(kv_seqlens=jnp.asarray([1500, 333]), causal="bottom_right")),
 }

@@ -41,7 +41,6 @@ inline constexpr int64_t kDecodeMaxRows = 64;  // GQA group x q_seq
 inline constexpr int64_t kDecodeChunk = 2048;  // keys per task (fixed: thread-independent)
 inline constexpr int64_t kDecodeTile = 64;     // keys converted and scored at a time
 inline constexpr int64_t kDecodeGemmRows = 8;  // rows per kv head from which S is a GEMM
-inline constexpr int64_t kDecodeFewRowsProducts = 4;  // from here too for some kv head counts
 inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V
 inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys/DotTileRows ask for ahead
 // The locality of the bfloat16 products' requests for the next tile (ScoresBf16, ScoresBf16Rows4,
@@ -49,6 +48,14 @@ inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys/DotTileRo
 // heads): ~15 GB/s with T1 from the value products alone, ~17 with T0 there, ~18 with T1 split
 // between the score and value products (LineAsk), ~19.7 with T0 split.
 inline constexpr int kBf16AskHint = 3;
+// The locality of the dot forms' requests for K and V kStreamAhead ahead with 2 to 7 rows a kv
+// head (DotTileRows, DotTileRowsBf16): 2, PREFETCHT1 (into L2), instead of non-temporal
+// requests (0, which fill L1: presumably fewer lines in flight). Zen 4, 2 cores, memory at a
+// ~28-34 GB/s copy, K+V GB/s under JAX, builds taking turns: bfloat16 8x1x4096x32/8x128
+// 16.2-17.7 -> 26.5-28.1, float32 1x1x131072x8/2x128 14.6-15.5 -> 26.9-29.7, 2 and 6 rows
+// 1.1-1.6x (docs/performance.md, 2026-11-27 fifth session). One row a kv head (DotTileKeys,
+// DotTileKeysBf16, in memory order) keeps 0: T1 measured no gain there.
+inline constexpr int kRowsAskHint = 2;
 
 inline bool DecodeApplies(const AttentionParams& p) {
   return p.q_len >= 1 && p.q_len <= kDecodeMaxQ && p.group() * p.q_len <= kDecodeMaxRows &&
@@ -963,11 +970,11 @@ inline void AccumulateRows(const float* sr, const float* vbase, int64_t v_step, 
 // Asks (non-temporal: read once) for the lines of the row kStreamAhead bytes after row `at` of
 // a stream of kD-float rows at `base`, or of row `last_row` when that is nearer. The address is
 // clamped rather than the call skipped: behind an early return GCC dropped the prefetches.
-template <int64_t kD>
+template <int64_t kD, int kLocality = 0>
 inline void AskAhead(const float* base, int64_t at, int64_t last_row) {
   const int64_t ahead = std::min<int64_t>(at + kStreamAhead / (kD * 4), last_row);
   const char* row = reinterpret_cast<const char*>(base + ahead * kD);
-  for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, 0);
+  for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, kLocality);
 }
 
 // DotTile for float32 rows of NV whole vectors read in place, a few rows per kv head (GQA, or
@@ -1030,7 +1037,7 @@ inline void DotTileRows(const AttentionParams& p,
   };
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD>(kbase, j * hk + hkv, last_row);
+      AskAhead<kD, kRowsAskHint>(kbase, j * hk + hkv, last_row);
       const float* k = kbase + (j * hk + hkv) * kD;
       __m512 kv[NV];
       for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + v * kLanes);
@@ -1067,7 +1074,7 @@ inline void DotTileRows(const AttentionParams& p,
   for (int64_t j = 0; j < nk; ++j) {
     const float* kkey = kbase + j * hk * kD;
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD>(kbase, j * hk + hkv, last_row);
+      AskAhead<kD, kRowsAskHint>(kbase, j * hk + hkv, last_row);
       const DecodeRows& rows = heads[hkv];
       for (int64_t u = first_run[hkv]; u < first_run[hkv + 1]; ++u) {
         const int64_t r = runs[u].first;
@@ -1088,8 +1095,8 @@ inline void DotTileRows(const AttentionParams& p,
   for (int64_t j = 0; j < nk; j += 2) {
     const int64_t keys = std::min<int64_t>(2, nk - j);
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD>(vbase, j * hk + hkv, last_row);
-      AskAhead<kD>(vbase, (j + 1) * hk + hkv, last_row);
+      AskAhead<kD, kRowsAskHint>(vbase, j * hk + hkv, last_row);
+      AskAhead<kD, kRowsAskHint>(vbase, (j + 1) * hk + hkv, last_row);
       float* o = states + hkv * per_head + 2 * n;
       const float* sh = s.data() + hkv * n * kDecodeTile + j;
       const float* vr = vbase + (j * hk + hkv) * kD;
@@ -1269,7 +1276,7 @@ inline void DotTileRowsBf16(const AttentionParams& p,
   const int64_t ahead = kStreamAhead / (kD * 2);      // rows between a read and its request
   auto ask = [&](const uint16_t* base, int64_t row) {
     const char* next = reinterpret_cast<const char*>(base + std::min(row + ahead, last_row) * kD);
-    for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, 0);
+    for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, kRowsAskHint);
   };
   // kKeys keys of one kv head at a time (keys past nk score key nk - 1 again; masked below), kv
   // heads in turn: 16 dot products (kKeys keys x kR rows, rows past n of zero queries) summed
@@ -1372,16 +1379,12 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   // bfloat16 K and V rows of 64, 128 or 256 values with fewer than kDecodeGemmRows rows per kv
   // head: DotTileKeysBf16 (one row) or DotTileRowsBf16; the products above from 8 rows (their
   // FLOPs per key are then the lanes' own) or when K and V rows differ in length
-  // 4 to 7 rows a kv head take the product forms too where they measured faster: float32 with
-  // 8 or more kv heads, bfloat16 with 4 or fewer (the opposite ways round). Zen 4, 2 cores,
-  // 4x1x8192 keys, 4 rows, d 128, K and V GB/s of the product forms over the dot forms, median
-  // of 3 taking turns: float32 0.90 / 0.89 / 1.19 / 1.17 with 2 / 4 / 8 / 16 kv heads, bfloat16
-  // 1.30 / 1.11 / 0.97 / 0.77; 6 rows, 8 kv heads, float32 ~1.35 (docs/performance.md,
-  // 2026-11-27 fourth session)
-  const bool few_rows_products =
-      n >= kDecodeFewRowsProducts && n < kDecodeGemmRows &&
-      ((p.elem == Elem::kF32 && hk >= 8) || (kHasBf16Dot && p.elem == Elem::kBF16 && hk <= 4));
-  const int64_t product_rows = few_rows_products ? kDecodeFewRowsProducts : kDecodeGemmRows;
+  // (4 to 7 rows took the product forms for float32 with 8 or more kv heads and bfloat16 with 4
+  // or fewer while the dot forms asked for K and V non-temporally; with kRowsAskHint the dot
+  // forms are as fast or faster there too: Zen 4, 2 cores, K+V GB/s, float32 8x1x4096x32/8x128
+  // 22.1-22.3 -> 27.9-28.5, bfloat16 1x1x131072x8/2x128 16.7-17.6 -> 24.8-30.4, 6 rows with 8
+  // kv heads float32 22.0-22.3 -> 21.8-23.1; docs/performance.md, 2026-11-27 fifth session)
+  const int64_t product_rows = kDecodeGemmRows;
   const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < product_rows &&
                          d == dv && (d == 64 || d == 128 || d == 256);
   const bool bf16_lanes = kHasBf16Dot && lanes_shape && p.elem == Elem::kBF16 && d % 4 == 0 &&
