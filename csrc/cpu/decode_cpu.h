@@ -53,8 +53,9 @@ inline constexpr int kBf16AskHint = 3;
 // requests (0, which fill L1: presumably fewer lines in flight). Zen 4, 2 cores, memory at a
 // ~28-34 GB/s copy, K+V GB/s under JAX, builds taking turns: bfloat16 8x1x4096x32/8x128
 // 16.2-17.7 -> 26.5-28.1, float32 1x1x131072x8/2x128 14.6-15.5 -> 26.9-29.7, 2 and 6 rows
-// 1.1-1.6x (docs/performance.md, 2026-11-27 fifth session). One row a kv head (DotTileKeys,
-// DotTileKeysBf16, in memory order) keeps 0: T1 measured no gain there.
+// 1.1-1.6x (docs/performance.md, 2026-11-27 fifth session). One row a kv head keeps 0:
+// DotTileKeys (in memory order, already at the copy) measured no gain with T1 (float32);
+// DotTileKeysBf16 was not tried.
 inline constexpr int kRowsAskHint = 2;
 
 inline bool DecodeApplies(const AttentionParams& p) {
@@ -1258,7 +1259,8 @@ inline void DotTileKeysBf16(const AttentionParams& p,
 // and V per tile: one core, 4 rows, d 128, 8 kv heads: from L3 ~28 -> ~32.5 GB/s (~72 -> ~63
 // cycles a key and kv head), from memory ~19 -> ~21. (The pairs in memory order with a scalar
 // transpose of the sums, or asking for this tile's V and the next tile's K into L2 instead of
-// K and V kStreamAhead ahead, or asking 16 or 32 KiB ahead, or with T0 or T1: no faster.)
+// K and V kStreamAhead ahead, or asking 16 or 32 KiB ahead, or with T0 or T1: no faster, on
+// the Zen 5 of that session; on a Zen 4 with slower memory T1 (kRowsAskHint) was 1.6x faster.)
 // `qall`: every kv head's query rows, [hk][kR][kC * 32] (rows past n zero).
 inline constexpr int kValueKeys = 4;
 template <int kC, int kR>

@@ -135,7 +135,8 @@ struct BwdTraits {
 // of this warpgroup are in flight (FlashAttention-3's `flash::gemm`).
 template <bool kZeroInit, int kWait, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
-  constexpr bool kRegisterA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+  constexpr bool kRegisterA =
+      !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
   if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
   warpgroup_fence_operand(c);
   warpgroup_arrive();
@@ -228,15 +229,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (ld.shared / st.shared; a round trip through uintptr_t made them generic loads and stores,
   // and the dQ staging's fence a MEMBAR.ALL.CTA: 15-20% of the consumers' stall samples in ncu)
   SharedStorage& shared = *reinterpret_cast<SharedStorage*>(
-      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023));
+      smem_raw +
+      ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023));
 
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * N;
   const int kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.q_heads / p.kv_heads;
-  const int64_t kv_row = int64_t(p.kv_heads) * D;
+  const int64_t kv_row = int64_t(p.kv_heads) * D;  // elements between key rows
 
+  // the query tiles whose rows see some key of [n0, n0 + N)
   int m_lo = 0;
   int m_hi = min((p.q_len + M - 1) / M, p.q_seq / M);
   if (p.has_upper) m_lo = max(m_lo, FloorDiv(n0 - p.offset - p.upper, M));
@@ -265,8 +268,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0 && cute::elect_one_sync() && steps > 0) {
       Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
       Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
-      Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<N>, Int<D>>{}, make_coord(blockIdx.x, 0));
-      Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<N>, Int<D>>{}, make_coord(blockIdx.x, 0));
+      Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<N>, Int<D>>{},
+                             make_coord(blockIdx.x, 0));
+      Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<N>, Int<D>>{},
+                             make_coord(blockIdx.x, 0));
       auto tma_k = params.tma_k.get_slice(Int<0>{});
       auto tma_v = params.tma_v.get_slice(Int<0>{});
       FullBarrier::arrive_and_expect_tx(&shared.kv_full, Traits::kKvBytes);
@@ -326,7 +331,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto wg_sdp = mma_sdp.get_slice(wg * 128);
     auto wg_dkv = mma_dkv.get_slice(wg * 128);
     auto wg_dq = mma_dq.get_slice(wg * 128);
-    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, MMA_M, MMA_K)
     Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_N, MMA_K, STAGE)
     Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
     Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
@@ -336,7 +341,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
 
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));  // (key, row)
+    // dS^T from the registers into sdS, transposed on the way by stmatrix (FlashAttention-3's
+    // SM90_U16x8_STSM_T with S computed transposed)
     auto ds_store = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, T>{}, mma_sdp);
     auto thr_ds_store = ds_store.get_thread_slice(tid);
     Tensor tdSsdS = thr_ds_store.partition_D(as_position_independent_swizzle_tensor(sdSt));
@@ -371,7 +378,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int i = 0; i < size(tSrS); ++i) tSrS(i) = Exp2(tSrS(i) * p.scale_log2 - lse2[i]);
         warpgroup_wait<0>();  // dP^T
         CUTE_UNROLL
-        for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - row_term_row[get<1>(tScS(i))]);
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          tdPrdP(i) = tSrS(i) * (tdPrdP(i) - row_term_row[get<1>(tScS(i))]);
+        }
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
@@ -404,7 +413,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
       Tensor tdKrdS = make_tensor(rdS.data(), AccumulatorAsA(tdPrdP.layout()));
       gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);  // dV and dQ done
+      // each warp's part of the warpgroup's dQ tile, in the accumulator's register order (16
+      // bytes a store), then bulk-reduce-added by its first lane: no wait on the other warps
       constexpr int kWarpFloats = Traits::kDqWarpgroupFloats / 4;
+      static_assert(size(decltype(tdQrdQ){}) * 32 == kWarpFloats);
       if (lane == 0) BulkWaitRead();  // this warp's last dQ part has left shared memory
       __syncwarp();
       CUTE_UNROLL
