@@ -44,10 +44,13 @@ inline constexpr int64_t kDecodeGemmRows = 8;  // rows per kv head from which S 
 inline constexpr int64_t kPrefetchKeys = 8;    // how far ahead the dot path asks for K and V
 inline constexpr int64_t kStreamAhead = 8192;     // bytes DotTileKeys/DotTileRows ask for ahead
 // The locality of the bfloat16 products' requests for the next tile (ScoresBf16, ScoresBf16Rows4,
-// ValuesBf16): 3, PREFETCHT0. 4 rows per kv head from memory, one Zen 5 core (d 128, 8 kv
-// heads): ~15 GB/s with T1 from the value products alone, ~17 with T0 there, ~18 with T1 split
-// between the score and value products (LineAsk), ~19.7 with T0 split.
-inline constexpr int kBf16AskHint = 3;
+// ValuesBf16; from 8 rows a kv head): 2, PREFETCHT1. Zen 4, 2 cores, 16 rows from memory, K+V
+// GB/s under JAX, builds taking turns (three rounds): 4x4x8192x32/8x128 12.4-14.0 with T0 (3)
+// -> 15.2-15.4, 1x16x16384x8/8x128 12.2-12.7 -> 14.2-14.4; from L3 (1x16x4096) the same, ~16
+// (2026-11-27 fifth session). (On a Zen 5 core, 4 rows a kv head, which now take the dot
+// forms: ~18 GB/s with T1 split between the score and value products (LineAsk), ~19.7 with
+// T0, ~15 and ~17 from the value products alone.)
+inline constexpr int kBf16AskHint = 2;
 // The locality of the dot forms' requests for K and V kStreamAhead ahead with 2 to 7 rows a kv
 // head (DotTileRows, DotTileRowsBf16): 2, PREFETCHT1 (into L2), instead of non-temporal
 // requests (0, which fill L1: presumably fewer lines in flight). Zen 4, 2 cores, memory at a
