@@ -971,8 +971,9 @@ inline void AccumulateRows(const float* sr, const float* vbase, int64_t v_step, 
   }
 }
 
-// Asks (non-temporal: read once) for the lines of the row kStreamAhead bytes after row `at` of
-// a stream of kD-float rows at `base`, or of row `last_row` when that is nearer. The address is
+// Asks for the lines of the row kStreamAhead bytes after row `at` of a stream of kD-float rows
+// at `base`, or of row `last_row` when that is nearer: non-temporally by default (read once),
+// into L2 with kLocality 2 (kRowsAskHint). The address is
 // clamped rather than the call skipped: behind an early return GCC dropped the prefetches.
 template <int64_t kD, int kLocality = 0>
 inline void AskAhead(const float* base, int64_t at, int64_t last_row) {
@@ -1389,13 +1390,12 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
   // forms are as fast or faster there too: Zen 4, 2 cores, K+V GB/s, float32 8x1x4096x32/8x128
   // 22.1-22.3 -> 27.9-28.5, bfloat16 1x1x131072x8/2x128 16.7-17.6 -> 24.8-30.4, 6 rows with 8
   // kv heads float32 22.0-22.3 -> 21.8-23.1; docs/performance.md, 2026-11-27 fifth session)
-  const int64_t product_rows = kDecodeGemmRows;
-  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < product_rows &&
+  const bool bf16_keys = kHasBf16Dot && p.elem == Elem::kBF16 && n < kDecodeGemmRows &&
                          d == dv && (d == 64 || d == 128 || d == 256);
   const bool bf16_lanes = kHasBf16Dot && lanes_shape && p.elem == Elem::kBF16 && d % 4 == 0 &&
                           dv % kLanes == 0 && n >= 2 && !bf16_keys;
   const int64_t rows_padded = n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8;  // (DotTileRowsBf16's kR)
-  const bool gemm = (n >= product_rows && lanes_shape) || bf16_lanes;
+  const bool gemm = (n >= kDecodeGemmRows && lanes_shape) || bf16_lanes;
   // float32 rows of whole vectors are read in place; others are converted per tile
   const bool direct = p.elem == Elem::kF32 && d == dp && dv == dvp && !gemm;
   const bool exact_keys = p.kv_len < (int64_t{1} << 24);  // key indices exact as float32
