@@ -195,7 +195,8 @@ def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
 
 def test_which_backward_the_cuda_kernel_serves(monkeypatch):
     """Plain scores at head dim 128 in 16-bit floats go to the CUDA C++ backward where it is
-    registered and the config asks for it (off by default) outside XLA's deterministic mode;
+    registered and the config asks for it (`default_config`: except banded below 4096 keys)
+    outside XLA's deterministic mode;
     every modifier, packing, dropout, float32 and other head dims keep the Pallas kernels."""
     import dataclasses
 

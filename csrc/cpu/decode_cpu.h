@@ -971,15 +971,15 @@ inline void AccumulateRows(const float* sr, const float* vbase, int64_t v_step, 
   }
 }
 
-// Asks for the lines of the row kStreamAhead bytes after row `at` of a stream of kD-float rows
-// at `base`, or of row `last_row` when that is nearer: non-temporally by default (read once),
-// into L2 with kLocality 2 (kRowsAskHint). The address is
-// clamped rather than the call skipped: behind an early return GCC dropped the prefetches.
-template <int64_t kD, int kLocality = 0>
-inline void AskAhead(const float* base, int64_t at, int64_t last_row) {
-  const int64_t ahead = std::min<int64_t>(at + kStreamAhead / (kD * 4), last_row);
-  const char* row = reinterpret_cast<const char*>(base + ahead * kD);
-  for (int64_t x = 0; x < kD * 4; x += 64) __builtin_prefetch(row + x, 0, kLocality);
+// Asks for the lines of the row kStreamAhead bytes after row `at` of a stream of rows of
+// kRowBytes at `base`, or of row `last_row` when that is nearer: non-temporally by default
+// (read once), into L2 with kLocality 2 (kRowsAskHint). The address is clamped rather than the
+// call skipped: behind an early return GCC dropped the prefetches.
+template <int64_t kRowBytes, int kLocality = 0>
+inline void AskAhead(const void* base, int64_t at, int64_t last_row) {
+  const int64_t ahead = std::min<int64_t>(at + kStreamAhead / kRowBytes, last_row);
+  const char* row = static_cast<const char*>(base) + ahead * kRowBytes;
+  for (int64_t x = 0; x < kRowBytes; x += 64) __builtin_prefetch(row + x, 0, kLocality);
 }
 
 // DotTile for float32 rows of NV whole vectors read in place, a few rows per kv head (GQA, or
@@ -1042,7 +1042,7 @@ inline void DotTileRows(const AttentionParams& p,
   };
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD, kRowsAskHint>(kbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4, kRowsAskHint>(kbase, j * hk + hkv, last_row);
       const float* k = kbase + (j * hk + hkv) * kD;
       __m512 kv[NV];
       for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + v * kLanes);
@@ -1079,7 +1079,7 @@ inline void DotTileRows(const AttentionParams& p,
   for (int64_t j = 0; j < nk; ++j) {
     const float* kkey = kbase + j * hk * kD;
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD, kRowsAskHint>(kbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4, kRowsAskHint>(kbase, j * hk + hkv, last_row);
       const DecodeRows& rows = heads[hkv];
       for (int64_t u = first_run[hkv]; u < first_run[hkv + 1]; ++u) {
         const int64_t r = runs[u].first;
@@ -1100,8 +1100,8 @@ inline void DotTileRows(const AttentionParams& p,
   for (int64_t j = 0; j < nk; j += 2) {
     const int64_t keys = std::min<int64_t>(2, nk - j);
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD, kRowsAskHint>(vbase, j * hk + hkv, last_row);
-      AskAhead<kD, kRowsAskHint>(vbase, (j + 1) * hk + hkv, last_row);
+      AskAhead<kD * 4, kRowsAskHint>(vbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4, kRowsAskHint>(vbase, (j + 1) * hk + hkv, last_row);
       float* o = states + hkv * per_head + 2 * n;
       const float* sh = s.data() + hkv * n * kDecodeTile + j;
       const float* vr = vbase + (j * hk + hkv) * kD;
@@ -1143,7 +1143,7 @@ inline void DotTileKeys(const AttentionParams& p,
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
       const float* k = kbase + (j * hk + hkv) * kD;
-      AskAhead<kD>(kbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4>(kbase, j * hk + hkv, last_row);
       const float* q = heads[hkv].q.data();
       VecF acc0 = VecF{}, acc1 = VecF{};
       for (int v = 0; v + 1 < NV; v += 2) {
@@ -1160,7 +1160,7 @@ inline void DotTileKeys(const AttentionParams& p,
   // never enters)
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD>(vbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4>(vbase, j * hk + hkv, last_row);
       const float pr = s[hkv * kDecodeTile + j];
       if (pr == 0.0f) continue;
       float* o = states + hkv * per_head + 2;
@@ -1195,7 +1195,6 @@ inline void DotTileKeysBf16(const AttentionParams& p,
   const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + (b * p.kv_len + j0) * hk * kD;
   const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + (b * p.kv_len + j0) * hk * kD;
   const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
-  const int64_t ahead = kStreamAhead / (kD * 2);      // rows between a read and its request
   const int64_t pairs = nk * hk;                      // (key, head) rows of the tile
   const __m512 scale = _mm512_set1_ps(p.scale);
   alignas(64) float sums[16];
@@ -1205,8 +1204,7 @@ inline void DotTileKeysBf16(const AttentionParams& p,
     int64_t g = hkv;
     for (int l = 0; l < 16; ++l) {  // pair u0 + l into a[4 (l % 4) + l / 4]: lane l of the sums
       const int64_t u = std::min<int64_t>(u0 + l, pairs - 1);
-      const char* next = reinterpret_cast<const char*>(kbase + std::min(u + ahead, last_row) * kD);
-      for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, 0);
+      AskAhead<kD * 2>(kbase, u, last_row);
       const uint16_t* k = kbase + u * kD;
       const uint16_t* q = qall + g * kD;
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -1236,8 +1234,7 @@ inline void DotTileKeysBf16(const AttentionParams& p,
   for (int64_t i = 0; i < nk; ++i) {
     for (int64_t h = 0; h < hk; ++h) {
       const int64_t u = i * hk + h;
-      const char* next = reinterpret_cast<const char*>(vbase + std::min(u + ahead, last_row) * kD);
-      for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, 0);
+      AskAhead<kD * 2>(vbase, u, last_row);
       const float pr = s[h * kDecodeTile + i];
       if (pr == 0.0f) continue;
       float* o = states + h * per_head + 2;
@@ -1253,8 +1250,7 @@ inline void DotTileKeysBf16(const AttentionParams& p,
 }
 
 // DotTileRows for bfloat16 K and V of kC * 32 values per row, 2 to kDecodeGemmRows - 1 rows per
-// kv head (from 4 only with more than 4 kv heads, DecodeForward; padded to kR: 2, 4 or 8), read
-// in place: the scores on VDPBF16PS with the head dim in the lanes (two chains over alternate
+// kv head (padded to kR: 2, 4 or 8), read in place: the scores on VDPBF16PS with the head dim in the lanes (two chains over alternate
 // 32-value chunks), kKeys = 16 / kR keys of one kv head x kR rows summed together by SumLanes16
 // into each row's kKeys consecutive scores, kv heads in turn;
 // the online softmax a vector of keys at a time (TileSoftmax); P (float32, unrounded) times V
@@ -1279,10 +1275,8 @@ inline void DotTileRowsBf16(const AttentionParams& p,
   const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + (b * p.kv_len + j0) * hk * kD;
   const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + (b * p.kv_len + j0) * hk * kD;
   const int64_t last_row = (p.kv_len - j0) * hk - 1;  // this batch row's last K/V row
-  const int64_t ahead = kStreamAhead / (kD * 2);      // rows between a read and its request
   auto ask = [&](const uint16_t* base, int64_t row) {
-    const char* next = reinterpret_cast<const char*>(base + std::min(row + ahead, last_row) * kD);
-    for (int c = 0; c < kC * 64; c += 64) __builtin_prefetch(next + c, 0, kRowsAskHint);
+    AskAhead<kD * 2, kRowsAskHint>(base, row, last_row);
   };
   // kKeys keys of one kv head at a time (keys past nk score key nk - 1 again; masked below), kv
   // heads in turn: 16 dot products (kKeys keys x kR rows, rows past n of zero queries) summed
