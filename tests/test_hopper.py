@@ -12,6 +12,7 @@ Off a GPU, `test_split_matches_the_score_program` still runs: the split of a sco
 between XLA and the kernel (`_hopper_mods.split`, `side_inputs`, `tile_fn`), evaluated in plain
 JAX, against the score programs' NumPy interpreter."""
 
+import dataclasses
 import functools
 
 import jax
@@ -119,6 +120,14 @@ def test_kernels_against_float32_reference(case):
     _close(out, r_out, 3e-2, "out")
     _close(lse, r_lse, 1e-4, "lse")
     _close(mx, r_mx, 1e-4, "max")
+    cuda_fwd = dataclasses.replace(cfg, cuda_forward=True)
+    if fh._cuda_forward_serves(q, cuda_fwd, softcap=softcap, geometry=geo, tile_fn=tile,
+                               tables=None, dropout=None):  # the CUDA C++ forward, where built
+        c_out, c_lse, c_mx = fh.forward(q, k, v, rows, cols, scale=scale, softcap=softcap,
+                                        geometry=geo, tile_fn=tile, config=cuda_fwd)
+        _close(c_out, r_out, 3e-2, "CUDA C++: out")
+        _close(c_lse, r_lse, 1e-4, "CUDA C++: lse")
+        _close(c_mx, r_mx, 1e-4, "CUDA C++: max")
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
     grads, reproducible = _both_backwards(
         q, k, v, out, lse, dout, dlse, rows, cols, scale=scale, softcap=softcap, geometry=geo,
@@ -146,8 +155,6 @@ def _both_backwards(*args, config, **kw):
     """The default backward (plain scores on the CUDA C++ kernel where it was built, else dQ
     reduce-added inside the dK/dV kernel where it can be), and the two-kernel form
     (`fused_dq=False, cuda_backward=False`), which must be bitwise the same when run twice."""
-    import dataclasses
-
     grads = fh.backward(*args, config=config, **kw)
     two = dataclasses.replace(config, fused_dq=False, cuda_backward=False)
     reproducible = fh.backward(*args, config=two, **kw)
@@ -159,8 +166,6 @@ def _both_backwards(*args, config, **kw):
 
 def _cuda_backward_or_none(*args, config, **kw):
     """The CUDA C++ backward's gradients where it serves the case (else None)."""
-    import dataclasses
-
     cuda = dataclasses.replace(config, cuda_backward=True)
     if not fh._cuda_backward_serves(args[0], cuda, softcap=kw["softcap"],
                                     geometry=kw["geometry"], tile_fn=kw["tile_fn"],
@@ -193,13 +198,38 @@ def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
     assert fh.default_config(64).fused_dq
 
 
+def test_which_forward_the_cuda_kernel_serves(monkeypatch):
+    """The CUDA C++ forward serves plain scores at head dim 128 in 16-bit with whole 128-row
+    query blocks, where asked for and built (no GPU needed: the routing alone)."""
+    from attnaux import _ffi
+
+    registered = {"yes": True}
+    monkeypatch.setattr(_ffi, "has_target", lambda name, platform: (
+        registered["yes"] and name == fh.CUDA_FORWARD_TARGET and platform == "cuda"))
+    geo = fh.Geometry(True, None, 0, 256, 256)
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    cfg = dataclasses.replace(fh.default_config(128), cuda_forward=True)
+
+    def serves(q=q, config=cfg, geometry=geo, **kw):
+        kw = {"softcap": None, "tile_fn": None, "tables": None, "dropout": None} | kw
+        return fh._cuda_forward_serves(q, config, geometry=geometry, **kw)
+
+    assert serves() and serves(q=q.astype(jnp.float16))
+    assert not fh.default_config(128).cuda_forward  # opt-in until measured
+    assert not serves(config=fh.default_config(128))
+    assert not serves(softcap=30.0) and not serves(tile_fn=TILE) and not serves(dropout=0.1)
+    assert not serves(geometry=fh.Geometry(False, None, 0, 0, 0, packed=True))
+    assert not serves(q=q.astype(jnp.float32)) and not serves(q=q[:, :192])
+    assert not serves(q=q[..., :64]) and not serves(q=jnp.zeros((1, 256, 4, 256), jnp.bfloat16))
+    registered["yes"] = False
+    assert not serves()
+
+
 def test_which_backward_the_cuda_kernel_serves(monkeypatch):
     """Plain scores at head dim 128 in 16-bit floats go to the CUDA C++ backward where it is
     registered and the config asks for it (`default_config`: except banded below 4096 keys)
     outside XLA's deterministic mode;
     every modifier, packing, dropout, float32 and other head dims keep the Pallas kernels."""
-    import dataclasses
-
     from attnaux import _ffi
 
     registered = {"yes": True}

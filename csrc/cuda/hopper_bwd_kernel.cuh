@@ -43,6 +43,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/hopper_bwd_params.h"
+#include "cuda/hopper_kernel_utils.cuh"
 
 namespace attnaux_hopper {
 
@@ -130,80 +131,6 @@ struct BwdTraits {
   // the dynamic shared memory is aligned by hand to the swizzle atoms' 1024 bytes
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
 };
-
-// wgmma of a whole K extent, issued as one batch; kWait >= 0 waits until at most kWait batches
-// of this warpgroup are in flight (FlashAttention-3's `flash::gemm`).
-template <bool kZeroInit, int kWait, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
-  constexpr bool kRegisterA =
-      !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
-}
-
-// An accumulator's register layout ((2, 2, N / 8), MMA_M, MMA_N) read as the A operand of a
-// register-sourced 16-bit wgmma, ((2, 2, 2), MMA_M, N / 16): the accumulator's columns become K.
-template <class Layout0>
-__device__ __forceinline__ auto AccumulatorAsA(Layout0 acc) {
-  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
-                     coalesce(make_layout(get<0, 1>(l), get<2>(acc))));
-}
-
-__device__ __forceinline__ int FloorDiv(int a, int b) {  // b > 0
-  return a >= 0 ? a / b : -((-a + b - 1) / b);
-}
-
-// whether query row q sees key kv, without short-circuit branches (predicates and selects only:
-// it runs per element of the partly visible tiles)
-__device__ __forceinline__ bool Visible(const BwdParams& p, int q, int kv) {
-  return static_cast<bool>(int(kv < p.kv_len) & int(q < p.q_len) &
-                           (int(!p.has_upper) | int(kv <= q + p.offset + p.upper)) &
-                           (int(!p.has_lower) | int(kv >= q + p.offset - p.lower)));
-}
-
-__device__ __forceinline__ void FenceAsyncShared() {
-  // the generic proxy's shared-memory writes (st.shared, stmatrix) made visible to the async
-  // proxy (wgmma, bulk copies)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// 2^x on the special function unit (flushes denormal results to 0, as FlashAttention's softmax)
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// float32 [bytes / 4] in shared memory added into global memory by the bulk copy engine
-__device__ __forceinline__ void BulkReduceAdd(float* gmem, const float* smem, int bytes) {
-  const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-      "cp.async.bulk.commit_group;\n" ::"l"(gmem),
-      "r"(src), "r"(bytes)
-      : "memory");
-}
-
-// until this thread's bulk copies have read their shared memory
-__device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void BulkWait() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
 
 template <class Traits>
 struct KernelParams {

@@ -27,7 +27,8 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_probs_softmax_bwd"] = attnaux::HandlerCapsule(AttnauxProbsSoftmaxBwdCuda);
         handlers["attnaux_zero_rows"] = attnaux::HandlerCapsule(AttnauxZeroRowsCuda);
         handlers["attnaux_fold_lse"] = attnaux::HandlerCapsule(AttnauxFoldLseCuda);
-#if ATTNAUX_HOPPER_BWD
+#if ATTNAUX_HOPPER_CUDA
+        handlers["attnaux_hopper_fwd"] = attnaux::HandlerCapsule(AttnauxHopperFwdCuda);
         handlers["attnaux_hopper_bwd"] = attnaux::HandlerCapsule(AttnauxHopperBwdCuda);
 #endif
         return handlers;

@@ -554,6 +554,10 @@ class Config:
     # tile pair, dQ bulk-reduce-added in float32, so not bitwise reproducible (never under XLA's
     # deterministic mode). `default_config` says where it serves
     cuda_backward: bool = False
+    # plain scores' forward at head dim 128 in the CUDA C++ kernel (csrc/cuda/hopper_fwd.cu,
+    # CuTe: FlashAttention-3's forward without its ping-pong so far) where it was built. Off by
+    # default: not yet measured against the Pallas forward
+    cuda_forward: bool = False
 
 
 def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = False) -> Config:
@@ -627,6 +631,9 @@ def forward(q, k, v, rows, cols, *, scale: float, softcap, geometry: Geometry, t
     function sees them: every array is read at the entry's own index. `dropout`: None, or the
     rate (static) with `drop_state` the 12-word block state (`docs/kernel_abi.md`): P times
     attnaux's keep-mask over `1 - rate` meets V; lse and max are of the scores, as always."""
+    if _cuda_forward_serves(q, config, softcap=softcap, geometry=geometry, tile_fn=tile_fn,
+                            tables=tables, dropout=dropout):
+        return _cuda_forward(q, k, v, scale=scale, geometry=geometry)
     pl, plgpu = _pallas()
     _check_packed(geometry, tile_fn, tables, infos)
     packed = geometry.packed
@@ -1060,6 +1067,57 @@ def _row_stats(out, lse, dout, dlse):
 
 
 CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd"
+CUDA_FORWARD_TARGET = "attnaux_hopper_fwd"
+
+
+def _cuda_forward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
+                         dropout) -> bool:
+    """Whether `forward` runs on the CUDA C++ kernel (`_cuda_forward`): plain scores (scale,
+    causal / window geometry, GQA), head dim 128, 16-bit inputs, query rows in whole 128-row
+    blocks, asked for by `config` and built into this install."""
+    from ._ffi import has_target
+
+    return (config.cuda_forward and softcap is None and tile_fn is None and tables is None
+            and not dropout and not geometry.packed and q.shape[3] == 128
+            and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] % 128 == 0
+            and has_target(CUDA_FORWARD_TARGET, "cuda"))
+
+
+def _geometry_attrs(geometry: Geometry) -> dict:
+    """The visibility attributes of the CUDA kernels' FFI calls (`BwdParams`, `FwdParams`)."""
+    import numpy as np
+
+    if geometry.causal and geometry.window is not None:
+        upper = min(0, geometry.window[1])
+    elif geometry.causal:
+        upper = 0
+    else:
+        upper = geometry.window[1] if geometry.window is not None else 0
+    return dict(q_len=np.int64(geometry.q_len), kv_len=np.int64(geometry.kv_len),
+                offset=np.int64(geometry.offset),
+                has_upper=np.int32(geometry.causal or geometry.window is not None),
+                upper=np.int64(upper), has_lower=np.int32(geometry.window is not None),
+                lower=np.int64(geometry.window[0] if geometry.window is not None else 0))
+
+
+def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
+    """`forward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_fwd.cu):
+    a CTA per 128 query rows of a head, key blocks of 128. Keys past `geometry.kv_len` are
+    masked; V's rows there are zeroed first when there are any, as a masked key's P of 0 still
+    meets its V row in the tensor cores (0 * NaN is NaN)."""
+    import numpy as np
+
+    kv_seq = k.shape[1]
+    if geometry.kv_len < kv_seq:
+        v = jnp.where((jnp.arange(kv_seq) < geometry.kv_len)[None, :, None, None], v, 0)
+    if kv_seq % 128:  # the kernel's key blocks
+        pad = [(0, 0), (0, -kv_seq % 128), (0, 0), (0, 0)]
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    bsz, q_seq, q_heads, _ = q.shape
+    stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
+    return jax.ffi.ffi_call(CUDA_FORWARD_TARGET, (
+        jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats))(
+        q, k, v, scale=np.float32(scale), **_geometry_attrs(geometry))
 
 
 def _cuda_backward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
@@ -1088,23 +1146,13 @@ def _cuda_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float,
     if kv_seq % 128:  # the kernel's key blocks (padding keys lie past geometry.kv_len)
         pad = [(0, 0), (0, -kv_seq % 128), (0, 0), (0, 0)]
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    if geometry.causal and geometry.window is not None:
-        upper = min(0, geometry.window[1])
-    elif geometry.causal:
-        upper = 0
-    else:
-        upper = geometry.window[1] if geometry.window is not None else 0
     bsz, q_seq, q_heads, dim = q.shape
     dq_shape = (bsz, q_heads, q_seq // BLOCK_Q, 2, BLOCK_Q * dim // 2)
     dq_sum, dk, dv = jax.ffi.ffi_call(CUDA_BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(dq_shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype)))(
         q, k, v, dout.astype(q.dtype), _row_stats(out, lse, dout, dlse),
-        scale=np.float32(scale), q_len=np.int64(geometry.q_len),
-        kv_len=np.int64(geometry.kv_len), offset=np.int64(geometry.offset),
-        has_upper=np.int32(geometry.causal or geometry.window is not None),
-        upper=np.int64(upper), has_lower=np.int32(geometry.window is not None),
-        lower=np.int64(geometry.window[0] if geometry.window is not None else 0))
+        scale=np.float32(scale), **_geometry_attrs(geometry))
     return _cuda_dq(dq_sum, scale, q.dtype), dk[:, :kv_seq], dv[:, :kv_seq], rows, cols
 
 

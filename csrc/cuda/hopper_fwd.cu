@@ -1,0 +1,156 @@
+// `attnaux_hopper_fwd`: the XLA FFI handler of attnaux's own Hopper attention forward
+// (cuda/hopper_fwd_kernel.cuh): out, lse and max of plain scores (scale, causal / window
+// geometry, GQA) at head dim 128 in bfloat16 or float16. Called by `_flash_hopper.forward` when
+// its config asks for it; see hopper_fwd_params.h for the operands' layouts.
+//
+// Built only for sm_90a, and only when the CUTLASS/CuTe headers were found (CMakeLists.txt);
+// the handler refuses another GPU with an error naming the device it found.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/ffi_shapes.h"
+#include "cuda/ffi_utils.cuh"
+#include "cuda/hopper_fwd_kernel.cuh"
+#include "cuda/kernels_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace attnaux_hopper {
+namespace {
+
+using attnaux_cuda_kernels::AttnInvalid;
+using attnaux_cuda_kernels::CudaResult;
+using Dims = attnaux::Dims;
+using attnaux::BracketShape;
+using attnaux::SameDims;
+
+constexpr const char* kTarget = "attnaux_hopper_fwd";
+
+template <class Traits>
+cudaError_t Launch(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = HopperFwdKernel<Traits>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  // the TMA descriptors of this call's tensors, passed as a __grid_constant__ parameter
+  const FwdKernelParams<Traits> params = MakeFwdKernelParams<Traits>(p);
+  const dim3 grid(p.q_seq / Traits::kBlockM, p.q_heads, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, float scale, int64_t q_len, int64_t kv_len,
+                         int64_t offset, int32_t has_upper, int64_t upper, int32_t has_lower,
+                         int64_t lower, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                         ffi::Result<ffi::Buffer<ffi::F32>> row_max) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) {
+    return AttnInvalid(kTarget, "q and k must be [batch, seq, heads, dim], got q " +
+                                    BracketShape(qd) + " and k " + BracketShape(kd) + ".");
+  }
+  const int64_t bsz = qd[0], q_seq = qd[1], q_heads = qd[2], dim = qd[3];
+  const int64_t kv_seq = kd[1], kv_heads = kd[2];
+  if (kd[0] != bsz || kd[3] != dim || !SameDims(v.dimensions(), kd) ||
+      !SameDims(out->dimensions(), qd)) {
+    return AttnInvalid(kTarget, "expected k and v of one shape [batch, kv_seq, kv_heads, dim] "
+                                "matching q's batch and dim, and out of q's shape; got q " +
+                                    BracketShape(qd) + ", k " + BracketShape(kd) + ", v " +
+                                    BracketShape(v.dimensions()) + ", out " +
+                                    BracketShape(out->dimensions()) + ".");
+  }
+  const auto dtype = q.element_type();
+  if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
+      v.element_type() != dtype || out->element_type() != dtype) {
+    return AttnInvalid(kTarget, "q, k, v and out must share one dtype, bfloat16 or float16.");
+  }
+  if (dim != 128) {
+    return AttnInvalid(kTarget, "head dim must be 128, got " + std::to_string(dim) + ".");
+  }
+  if (q_seq % 128 != 0 || kv_seq % 128 != 0) {
+    return AttnInvalid(kTarget, "q_seq and kv_seq must be multiples of 128 (padded), got " +
+                                    std::to_string(q_seq) + " and " + std::to_string(kv_seq) + ".");
+  }
+  if (kv_heads == 0 || q_heads % kv_heads != 0) {
+    return AttnInvalid(kTarget, "q_heads (" + std::to_string(q_heads) +
+                                    ") must be a multiple of kv_heads (" +
+                                    std::to_string(kv_heads) + ").");
+  }
+  const int64_t want_stats[3] = {bsz, q_heads, q_seq};
+  if (!SameDims(lse->dimensions(), Dims(want_stats, 3)) ||
+      !SameDims(row_max->dimensions(), Dims(want_stats, 3))) {
+    return AttnInvalid(kTarget, "lse and max must be [batch, q_heads, q_seq] = " +
+                                    BracketShape(Dims(want_stats, 3)) + ", got " +
+                                    BracketShape(lse->dimensions()) + " and " +
+                                    BracketShape(row_max->dimensions()) + ".");
+  }
+  if (bsz > 65535 || q_heads > 65535 || q_seq > (1 << 30) || kv_seq > (1 << 30)) {
+    return AttnInvalid(kTarget, "batch and q_heads must be at most 65535 and the sequences "
+                                "at most 2^30 (grid and int32 positions).");
+  }
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
+  if (err != cudaSuccess) return CudaResult(kTarget, err);
+  if (major != 9 || minor != 0) {
+    return AttnInvalid(kTarget, "needs a Hopper GPU (sm_90), found compute capability " +
+                                    std::to_string(major) + "." + std::to_string(minor) + ".");
+  }
+
+  FwdParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.max = row_max->typed_data();
+  p.batch = int(bsz);
+  p.q_seq = int(q_seq);
+  p.kv_seq = int(kv_seq);
+  p.q_heads = int(q_heads);
+  p.kv_heads = int(kv_heads);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.q_len = int(q_len);
+  p.kv_len = int(kv_len);
+  p.offset = int(offset);
+  p.has_upper = has_upper != 0;
+  p.upper = int(upper);
+  p.has_lower = has_lower != 0;
+  p.lower = int(lower);
+  if (bsz == 0 || q_seq == 0 || q_heads == 0) return ffi::Error::Success();
+  cudaError_t launch = dtype == ffi::BF16 ? Launch<FwdTraits<cutlass::bfloat16_t, 128>>(p, stream)
+                                          : Launch<FwdTraits<cutlass::half_t, 128>>(p, stream);
+  return CudaResult(kTarget, launch);
+}
+
+}  // namespace
+}  // namespace attnaux_hopper
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperFwdCuda, attnaux_hopper::HopperFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()           // q [B, Sq, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()           // k [B, Skv, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()           // v
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("q_len")
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int32_t>("has_upper")
+                                  .Attr<int64_t>("upper")
+                                  .Attr<int32_t>("has_lower")
+                                  .Attr<int64_t>("lower")
+                                  .Ret<ffi::AnyBuffer>()           // out [B, Sq, Hq, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // lse [B, Hq, Sq]
+                                  .Ret<ffi::Buffer<ffi::F32>>(),   // max [B, Hq, Sq]
+                              {ffi::Traits::kCmdBufferCompatible});
