@@ -36,7 +36,7 @@ template <class Element_, int kHeadDim_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // query rows a CTA; consumer warpgroup w owns [64 w, 64 w + 64)
+  static constexpr int kBlockM = 128;  // query rows a CTA; consumer warpgroup w: [64 w, 64 w + 64)
   static constexpr int kBlockN = 128;  // keys a step
   static constexpr int kStages = 2;    // K and V blocks in flight
   static constexpr int kThreads = 384;  // a producer warpgroup, then two consumer warpgroups
@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // aligned by an offset into smem_raw (not through an integer, which would make every access
   // to `shared` a generic one: hopper_bwd_kernel.cuh)
   SharedStorage& shared = *reinterpret_cast<SharedStorage*>(
-      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023));
+      smem_raw +
+      ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023));
 
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int lane = threadIdx.x % 32;
