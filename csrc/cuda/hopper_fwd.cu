@@ -5,6 +5,7 @@
 //
 // Built only for sm_90a, and only when the CUTLASS/CuTe headers were found (CMakeLists.txt);
 // the handler refuses another GPU with an error naming the device it found.
+#include <algorithm>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,7 +38,12 @@ cudaError_t Launch(const FwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // the TMA descriptors of this call's tensors, passed as a __grid_constant__ parameter
   const FwdKernelParams<Traits> params = MakeFwdKernelParams<Traits>(p);
-  const dim3 grid(p.q_seq / Traits::kBlockM, p.q_heads, p.batch);
+  // persistent: a CTA an SM (or a tile), each taking tiles in turn (hopper_fwd_kernel.cuh)
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int tiles = p.q_seq / Traits::kBlockM * p.q_heads * p.batch;
+  const dim3 grid(std::max(1, std::min(tiles, sms > 0 ? sms : 132)));
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

@@ -60,6 +60,14 @@ __device__ __forceinline__ void FenceAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Pins float registers to this point of the program: the compiler may not move their
+// computation below it (an empty volatile asm reading and writing them).
+__device__ __forceinline__ void FenceRegister(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+template <class... Floats>
+__device__ __forceinline__ void FenceRegisters(Floats&... x) {
+  (FenceRegister(x), ...);
+}
+
 // 2^x on the special function unit (flushes denormal results to 0, as FlashAttention's softmax)
 __device__ __forceinline__ float Exp2(float x) {
   float y;

@@ -554,9 +554,9 @@ class Config:
     # tile pair, dQ bulk-reduce-added in float32, so not bitwise reproducible (never under XLA's
     # deterministic mode). `default_config` says where it serves
     cuda_backward: bool = False
-    # plain scores' forward at head dim 128 in the CUDA C++ kernel (csrc/cuda/hopper_fwd.cu,
-    # CuTe: FlashAttention-3's forward without its ping-pong so far) where it was built. Off by
-    # default: not yet measured against the Pallas forward
+    # plain scores' forward (no softcap, tile function, dropout or packing) at head dim 128 in
+    # the CUDA C++ kernel (csrc/cuda/hopper_fwd.cu, CuTe: persistent, FlashAttention-3's
+    # warp-specialized forward) where it was built. `default_config` says where it serves
     cuda_forward: bool = False
 
 
@@ -584,11 +584,15 @@ def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = F
     # it serves except banded below 4096 keys (docs/performance.md, 2026-11-27 fifth session)
     wide = (head_dim <= 64 and kv_seq is not None and kv_seq % 256 == 0
             and (not banded or kv_seq >= 4096))
+    # The CUDA C++ forward measured 1.02-1.05x the Pallas forward without a mask at head dim
+    # 128 (H100, bf16: 4x2048x16, 1x8192x16, 8x1024x16) but 0.87-0.97x causal (the diagonal's
+    # masked blocks and the tiles' unequal work): it serves where nothing bands the keys
+    # (docs/performance.md, 2026-11-27 sixth session)
     cuda = head_dim == 128 and not (banded and (kv_seq is None or kv_seq < 4096))
     return Config(block_kv=256 if wide else 128 if head_dim <= 128 else 64, stages=2,
                   overlap=head_dim >= 128 and _accumulator_store_available(),
                   fused_dq=head_dim <= 64 and not deterministic_requested(),
-                  cuda_backward=cuda)
+                  cuda_backward=cuda, cuda_forward=head_dim == 128 and not banded)
 
 
 def deterministic_requested() -> bool:
@@ -1102,7 +1106,7 @@ def _geometry_attrs(geometry: Geometry) -> dict:
 
 def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
     """`forward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_fwd.cu):
-    a CTA per 128 query rows of a head, key blocks of 128. Keys past `geometry.kv_len` are
+    persistent CTAs taking tiles of 128 query rows of a head, key blocks of 128. Keys past `geometry.kv_len` are
     masked; V's rows there are zeroed first when there are any, as a masked key's P of 0 still
     meets its V row in the tensor cores (0 * NaN is NaN)."""
     import numpy as np
