@@ -556,7 +556,8 @@ class Config:
     cuda_backward: bool = False
     # plain scores' forward (no softcap, tile function, dropout or packing) at head dim 128 in
     # the CUDA C++ kernel (csrc/cuda/hopper_fwd.cu, CuTe: persistent, FlashAttention-3's
-    # warp-specialized forward) where it was built. `default_config` says where it serves
+    # warp-specialized forward) where it was built. Opt-in: not yet ahead of the Pallas forward
+    # (`default_config`)
     cuda_forward: bool = False
 
 
@@ -584,15 +585,15 @@ def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = F
     # it serves except banded below 4096 keys (docs/performance.md, 2026-11-27 fifth session)
     wide = (head_dim <= 64 and kv_seq is not None and kv_seq % 256 == 0
             and (not banded or kv_seq >= 4096))
-    # The CUDA C++ forward measured 1.02-1.05x the Pallas forward without a mask at head dim
-    # 128 (H100, bf16: 4x2048x16, 1x8192x16, 8x1024x16) but 0.87-0.97x causal (the diagonal's
-    # masked blocks and the tiles' unequal work): it serves where nothing bands the keys
-    # (docs/performance.md, 2026-11-27 sixth session)
+    # The CUDA C++ forward (`cuda_forward`) stays opt-in: in `benchmarks/gpu_hopper.py` it
+    # measured 0.95-1.07x the Pallas forward without a mask at head dim 128 (H100, bf16,
+    # medians of five shapes; causal 0.75-0.89x FlashAttention-3 in another script, where the
+    # Pallas forward is 0.82-0.88x; docs/performance.md, 2026-11-27 sixth session)
     cuda = head_dim == 128 and not (banded and (kv_seq is None or kv_seq < 4096))
     return Config(block_kv=256 if wide else 128 if head_dim <= 128 else 64, stages=2,
                   overlap=head_dim >= 128 and _accumulator_store_available(),
                   fused_dq=head_dim <= 64 and not deterministic_requested(),
-                  cuda_backward=cuda, cuda_forward=head_dim == 128 and not banded)
+                  cuda_backward=cuda)
 
 
 def deterministic_requested() -> bool:
@@ -1106,9 +1107,9 @@ def _geometry_attrs(geometry: Geometry) -> dict:
 
 def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
     """`forward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_fwd.cu):
-    persistent CTAs taking tiles of 128 query rows of a head, key blocks of 128. Keys past `geometry.kv_len` are
-    masked; V's rows there are zeroed first when there are any, as a masked key's P of 0 still
-    meets its V row in the tensor cores (0 * NaN is NaN)."""
+    persistent CTAs taking tiles of 128 query rows of a head, key blocks of 128. Keys past
+    `geometry.kv_len` are masked; V's rows there are zeroed first when there are any, as a
+    masked key's P of 0 still meets its V row in the tensor cores (0 * NaN is NaN)."""
     import numpy as np
 
     kv_seq = k.shape[1]

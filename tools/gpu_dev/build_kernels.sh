@@ -15,8 +15,8 @@ NV="nvcc -std=c++17 -O3 --diag-suppress=940,2473 -Xcompiler -fPIC,-fvisibility=h
 for f in softmax small_seq probs_softmax zero_rows fold_lse; do
   $NV -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90 $INC -c csrc/cuda/$f.cu -o $O/$f.o &
 done
-$NV -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG -I.gpu/cutlass/include $INC -Xptxas -v -c csrc/cuda/hopper_bwd.cu -o $O/hopper_bwd.o 2> $O/hopper_bwd.log &
-$NV -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG -I.gpu/cutlass/include $INC -Xptxas -v -c csrc/cuda/hopper_fwd.cu -o $O/hopper_fwd.o 2> $O/hopper_fwd.log &
+$NV -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG -I${CUTLASS_INCLUDE:-.gpu/cutlass/include} $INC -Xptxas -v -c csrc/cuda/hopper_bwd.cu -o $O/hopper_bwd.o 2> $O/hopper_bwd.log &
+$NV -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG -I${CUTLASS_INCLUDE:-.gpu/cutlass/include} $INC -Xptxas -v -c csrc/cuda/hopper_fwd.cu -o $O/hopper_fwd.o 2> $O/hopper_fwd.log &
 g++ -std=c++17 -O3 -fPIC -fvisibility=hidden -isystem $FFI -Icsrc -c csrc/common/attention_validate.cc -o $O/attention_validate.o &
 g++ -std=c++17 -O3 -fPIC -fvisibility=hidden -DATTNAUX_HOPPER_CUDA=1 -isystem $FFI -I$PB -I$PYI -Icsrc -c csrc/cuda/module_kernels_cuda.cc -o $O/module.o &
 wait

@@ -1,9 +1,15 @@
-# branch cuda-fwd: the CUDA C++ forward against the Pallas one (same inputs): agreement and
+# the CUDA C++ forward against the Pallas one (same inputs): agreement and
 # forward TFLOP/s, one process, forms taking turns; the second half of each argument list:
 # shapes BxSxHxD
-import dataclasses, sys, time
-import jax, jax.numpy as jnp
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
 from attnaux import _flash_hopper as fh
+
 for shape in sys.argv[1:]:
     b, s, h, d = (int(x) for x in shape.split("x"))
     for causal in (False, True):
@@ -14,7 +20,8 @@ for shape in sys.argv[1:]:
         base = fh.default_config(d, s, banded=causal)
         cfgs = {"pallas": base, "cuda": dataclasses.replace(base, cuda_forward=True)}
         kw = dict(scale=d ** -0.5, softcap=None, geometry=geo, tile_fn=None)
-        fns = {n: jax.jit(lambda q, k, v, c=c: fh.forward(q, k, v, none, none, config=c, **kw))
+        fns = {n: jax.jit(lambda q, k, v, c=c, none=none, kw=kw:
+                          fh.forward(q, k, v, none, none, config=c, **kw))
                for n, c in cfgs.items()}
         res = {n: jax.block_until_ready(f(q, k, v)) for n, f in fns.items()}
         for name, i in (("out", 0), ("lse", 1), ("max", 2)):
