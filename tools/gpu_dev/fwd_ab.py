@@ -1,5 +1,5 @@
-"""The CUDA forward against FlashAttention-3, forward only, one process (minimum of 5 rounds of
-20 calls, the candidates taking turns):
+"""The CUDA forward against the Pallas forward and FlashAttention-3, forward only, one process
+(7 rounds of 20 calls, the candidates taking turns; the minimum and the median of the rounds):
 
     python tools/gpu_dev/fwd_ab.py 0 4x2048x16x128 1x8192x16x128
 
@@ -8,6 +8,7 @@ build whose launcher reads it (0 otherwise); then shapes BxSxHxD, each causal an
 
 import dataclasses
 import os
+import statistics
 import sys
 import time
 
@@ -25,8 +26,10 @@ def forms(q, causal, variants):
     kw = dict(scale=d ** -0.5, softcap=None, geometry=fh.Geometry(causal, None, 0, s, s),
               tile_fn=None, config=cfg)
     ours = jax.jit(lambda q, k, v: fh.forward(q, k, v, none, none, **kw))
+    pallas_kw = kw | {"config": dataclasses.replace(cfg, cuda_forward=False)}
+    pallas = jax.jit(lambda q, k, v: fh.forward(q, k, v, none, none, **pallas_kw))
     fa3 = jax.jit(lambda q, k, v: dew_flash_attn.flash_mha(q, k, v, is_causal=causal))
-    return {f"v{x}": ours for x in variants} | {"fa3": fa3}
+    return {f"v{x}": ours for x in variants} | {"pallas": pallas, "fa3": fa3}
 
 
 def main():
@@ -39,23 +42,24 @@ def main():
             fns = forms(q, causal, variants)
             ref = fns["fa3"](q, k, v)
             ref = (ref[0] if isinstance(ref, tuple) else ref).astype(jnp.float32)
-            best = dict.fromkeys(fns, 1e9)
-            for rnd in range(5):
+            times = {name: [] for name in fns}
+            for rnd in range(7):
                 for name, f in fns.items():
-                    if name != "fa3":
+                    if name.startswith("v"):
                         os.environ["ATTNAUX_FWD_VARIANT"] = name[1:]
                     r = jax.block_until_ready(f(q, k, v))
-                    if rnd == 0 and name != "fa3":
+                    if rnd == 0 and name.startswith("v"):
                         err = float(jnp.abs(r[0].astype(jnp.float32) - ref).max())
                         assert err < 0.02, (name, err)
                     t = time.perf_counter()
                     for _ in range(20):
                         r = f(q, k, v)
                     jax.block_until_ready(r)
-                    best[name] = min(best[name], (time.perf_counter() - t) / 20)
+                    times[name].append((time.perf_counter() - t) / 20)
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            print(f"{shape} causal={int(causal)} fwd TFLOP/s: "
-                  + ", ".join(f"{n} {flops / t / 1e12:.0f}" for n, t in best.items()), flush=True)
+            print(f"{shape} causal={int(causal)} fwd TFLOP/s (min / median): " + ", ".join(
+                f"{n} {flops / min(t) / 1e12:.0f} / {flops / statistics.median(t) / 1e12:.0f}"
+                for n, t in times.items()), flush=True)
 
 
 if __name__ == "__main__":
