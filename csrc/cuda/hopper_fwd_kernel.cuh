@@ -146,7 +146,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tiles = m_blocks * heads;
   const int group = min(heads, max(16, 2 * ((int(gridDim.x) + m_blocks - 1) / m_blocks)));
   auto tile_of = [&](int round) {
-    return round * int(gridDim.x) + (round % 2 ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x));
+    const int cta = int(blockIdx.x), g = int(gridDim.x);
+    return round * g + (round % 2 ? g - 1 - cta : cta);
   };
   struct Tile {
     int m_block, h, b, n_lo, n_blocks;
@@ -358,7 +359,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
-          row_sum[r] = row_sum[r] * corr[r] + ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3]));
+          const float sum = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+          row_sum[r] = row_sum[r] * corr[r] + sum;
         }
       };
       auto to_p = [&](auto const& tSrS) {
