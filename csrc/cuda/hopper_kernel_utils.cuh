@@ -60,8 +60,9 @@ __device__ __forceinline__ void FenceAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Pins float registers to this point of the program: the compiler may not move their
-// computation below it (an empty volatile asm reading and writing them).
+// Pins float registers to this point of the program for the compiler's front end (an empty
+// volatile asm reading and writing them): their computation stays above it in the PTX. ptxas,
+// which schedules the SASS, sees nothing of it (hopper_fwd_kernel.cuh: the P V wait).
 __device__ __forceinline__ void FenceRegister(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 template <class... Floats>
 __device__ __forceinline__ void FenceRegisters(Floats&... x) {
