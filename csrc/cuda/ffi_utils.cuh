@@ -40,6 +40,25 @@ inline ffi::Error AttnInvalid(const char* target, const std::string& m) {
   return ffi::Error::InvalidArgument(std::string(target) + ": " + m);
 }
 
+// Refuses any GPU but Hopper (sm_90), for the kernels built for sm_90a alone, with an error
+// naming the compute capability found; a CUDA error on the way is reported as such.
+inline ffi::Error RequireHopper(const char* target) {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
+  if (err != cudaSuccess) return CudaResult(target, err);
+  if (major != 9 || minor != 0) {
+    return AttnInvalid(target, "needs a Hopper GPU (sm_90), found compute capability " +
+                                   std::to_string(major) + "." + std::to_string(minor) + ".");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace attnaux_cuda_kernels
 
 // Every handler of attnaux's own CUDA kernels only launches kernels on XLA's stream, with no

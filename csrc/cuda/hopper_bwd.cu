@@ -24,6 +24,7 @@ namespace {
 
 using attnaux_cuda_kernels::AttnInvalid;
 using attnaux_cuda_kernels::CudaResult;
+using attnaux_cuda_kernels::RequireHopper;
 using Dims = attnaux::Dims;
 using attnaux::BracketShape;
 using attnaux::SameDims;
@@ -101,19 +102,7 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
     return AttnInvalid(kTarget, "batch and kv_heads must be at most 65535 and the sequences "
                                 "at most 2^30 (grid and int32 positions).");
   }
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  }
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  }
-  if (err != cudaSuccess) return CudaResult(kTarget, err);
-  if (major != 9 || minor != 0) {
-    return AttnInvalid(kTarget, "needs a Hopper GPU (sm_90), found compute capability " +
-                                    std::to_string(major) + "." + std::to_string(minor) + ".");
-  }
+  if (ffi::Error hopper = RequireHopper(kTarget); hopper.failure()) return hopper;
 
   BwdParams p{};
   p.q = q.untyped_data();
@@ -140,7 +129,8 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.lower = int(lower);
 
   // every key block's CTA adds its dS K into dq_accum
-  err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * dq_accum->element_count(), stream);
+  cudaError_t err =
+      cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * dq_accum->element_count(), stream);
   if (err != cudaSuccess) return CudaResult(kTarget, err);
   if (bsz == 0 || q_seq == 0 || kv_seq == 0 || q_heads == 0) return ffi::Error::Success();
   err = dtype == ffi::BF16 ? Launch<BwdTraits<cutlass::bfloat16_t, 128>>(p, stream)

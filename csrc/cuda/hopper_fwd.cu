@@ -24,6 +24,7 @@ namespace {
 
 using attnaux_cuda_kernels::AttnInvalid;
 using attnaux_cuda_kernels::CudaResult;
+using attnaux_cuda_kernels::RequireHopper;
 using Dims = attnaux::Dims;
 using attnaux::BracketShape;
 using attnaux::SameDims;
@@ -98,19 +99,7 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
     return AttnInvalid(kTarget, "batch and q_heads must be at most 65535 and the sequences "
                                 "at most 2^30 (grid and int32 positions).");
   }
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  }
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  }
-  if (err != cudaSuccess) return CudaResult(kTarget, err);
-  if (major != 9 || minor != 0) {
-    return AttnInvalid(kTarget, "needs a Hopper GPU (sm_90), found compute capability " +
-                                    std::to_string(major) + "." + std::to_string(minor) + ".");
-  }
+  if (ffi::Error hopper = RequireHopper(kTarget); hopper.failure()) return hopper;
 
   FwdParams p{};
   p.q = q.untyped_data();
