@@ -232,13 +232,14 @@ def test_wrapping_matches_the_reference_with_emulated_kernels():
         out, lse = run(q, k, v)
         return (out * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum(), (out, lse)
 
-    with emulated_kernels():
-        got = jax.value_and_grad(lambda *a: loss(lambda *x: _packed_run(*x, **dict(options)),
-                                                 *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    want = jax.value_and_grad(lambda *a: loss(
+    with emulated_kernels():  # (jitted: a compile each instead of one an eager op)
+        got = jax.jit(jax.value_and_grad(
+            lambda *a: loss(lambda *x: _packed_run(*x, **dict(options)), *a),
+            argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(
         lambda *x: (lambda r: (r[0], r[1].lse))(ax.attention(*x, backend="reference",
                                                               **options)), *a),
-        argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        argnums=(0, 1, 2), has_aux=True))(q, k, v)
     _close(got[0][1][0], want[0][1][0], 1e-5, "out")
     _close(got[0][1][1], want[0][1][1], 1e-5, "lse")
     for name, g_, w_ in zip("qkv", got[1], want[1]):
@@ -261,16 +262,19 @@ def test_vmap_folds_into_the_batch_with_emulated_kernels():
     def loss(fn, q, k, v):
         return (fn(q, k, v) ** 2).sum()
 
-    with emulated_kernels():
+    with emulated_kernels():  # (jitted: a compile each instead of one an eager op)
         mapped = jax.vmap(jax.vmap(one))
-        got = mapped(qs, ks, vs)
-        got_grads = jax.grad(lambda *a: loss(mapped, *a), argnums=(0, 1, 2))(qs, ks, vs)
+        got = jax.jit(mapped)(qs, ks, vs)
+        got_grads = jax.jit(jax.grad(lambda *a: loss(mapped, *a), argnums=(0, 1, 2)))(
+            qs, ks, vs)
         jaxpr = str(jax.make_jaxpr(mapped)(qs, ks, vs))
+        one_jit = jax.jit(one)
+        one_grad = jax.jit(jax.grad(lambda *a: loss(one, *a), argnums=(0, 1, 2)))
         for i in range(2):
             for j in range(3):
-                _close(got[i, j], one(qs[i, j], ks[i, j], vs[i, j]), 1e-6, f"out[{i}, {j}]")
-                gi = jax.grad(lambda *a: loss(one, *a), argnums=(0, 1, 2))(
-                    qs[i, j], ks[i, j], vs[i, j])
+                _close(got[i, j], one_jit(qs[i, j], ks[i, j], vs[i, j]), 1e-6,
+                       f"out[{i}, {j}]")
+                gi = one_grad(qs[i, j], ks[i, j], vs[i, j])
                 for g_, w_ in zip(got_grads, gi):
                     _close(g_[i, j], w_, 1e-5, f"grad[{i}, {j}]")
     assert jaxpr.count("attnaux_kernel_call") == 1, "the mapped calls are one kernel call"
@@ -288,6 +292,7 @@ def test_dropout_with_emulated_kernels_draws_the_reference_mask():
         out, lse = run(q, k, v)
         return (out * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum(), (out, lse)
 
+    @jax.jit  # (a compile instead of one an eager op)
     def packed(key):
         return jax.value_and_grad(
             lambda *a: loss(lambda *x: _packed_run(*x, key=key, **dict(options)), *a),
@@ -296,10 +301,10 @@ def test_dropout_with_emulated_kernels_draws_the_reference_mask():
     with emulated_kernels():
         got = packed(jax.random.key(5))
         other = packed(jax.random.key(6))
-    want = jax.value_and_grad(lambda *a: loss(
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(
         lambda *x: (lambda r: (r[0], r[1].lse))(
             ax.attention(*x, backend="reference", key=jax.random.key(5), **options)), *a),
-        argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        argnums=(0, 1, 2), has_aux=True))(q, k, v)
     _close(got[0][1][0], want[0][1][0], 1e-5, "out")
     _close(got[0][1][1], want[0][1][1], 1e-5, "lse")
     for name, g_, w_ in zip("qkv", got[1], want[1]):
@@ -320,14 +325,15 @@ def test_dropout_under_vmap_maps_the_calls_one_by_one():
     def one(q, k, v):
         return _packed_run(q, k, v, key=key, **dict(options))[0]
 
-    with emulated_kernels():
-        got = jax.vmap(one)(qs, ks, vs)
-        grads = jax.grad(lambda *a: (jax.vmap(one)(*a) ** 2).sum(), argnums=(0, 1, 2))(
-            qs, ks, vs)
+    with emulated_kernels():  # (jitted: a compile each instead of one an eager op)
+        got = jax.jit(jax.vmap(one))(qs, ks, vs)
+        grads = jax.jit(jax.grad(lambda *a: (jax.vmap(one)(*a) ** 2).sum(),
+                                 argnums=(0, 1, 2)))(qs, ks, vs)
+        one_jit = jax.jit(one)
+        one_grad = jax.jit(jax.grad(lambda *a: (one(*a) ** 2).sum(), argnums=(0, 1, 2)))
         for i in range(3):
-            _close(got[i], one(qs[i], ks[i], vs[i]), 1e-6, f"out[{i}]")
-            gi = jax.grad(lambda *a: (one(*a) ** 2).sum(), argnums=(0, 1, 2))(
-                qs[i], ks[i], vs[i])
+            _close(got[i], one_jit(qs[i], ks[i], vs[i]), 1e-6, f"out[{i}]")
+            gi = one_grad(qs[i], ks[i], vs[i])
             for name, g_, w_ in zip("qkv", grads, gi):
                 _close(g_[i], w_, 1e-5, f"d{name}[{i}]")
 

@@ -146,7 +146,10 @@ def test_segment_row_usage_matches_visibility(seed):
         q, k, k, causal=causal, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
         q_seqlens=rng.integers(0, q_seq + 1, 2).astype(np.int32),
         kv_seqlens=rng.integers(0, kv_seq + 1, 2).astype(np.int32))
-    rows, cols = _masking._segment_row_usage(problem.arrays, problem.options)
-    visible = _masking.visibility(problem.arrays, problem.options)  # [B, 1, Sq, Skv]
+    # under jit: one compile each instead of one an eager op (~90, most of the test's time)
+    rows, cols = jax.jit(lambda a: _masking._segment_row_usage(a, problem.options))(
+        problem.arrays)
+    visible = jax.jit(lambda a: _masking.visibility(a, problem.options))(
+        problem.arrays)  # [B, 1, Sq, Skv]
     np.testing.assert_array_equal(rows[..., 0], visible.any(axis=3)[:, 0])
     np.testing.assert_array_equal(cols[..., 0], visible.any(axis=2)[:, 0])
