@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import attnaux as ax
+from attnaux import _ffi, _flex, _philox
 from attnaux import _flash_hopper as fh
-from attnaux import _flex, _philox
 from attnaux import _hopper_mods as hm
 from attnaux._score_program import Untranslatable, evaluate, pack_consts, translate
 
@@ -151,6 +151,39 @@ def test_kernels_against_float32_reference(case):
                 _close(g.astype(jnp.float32), r, 3e-2, f"{form}: {name}")
 
 
+CUDA_FORWARD_CASES = [  # (head dim, kv heads, causal, window, offset)
+    (64, 2, True, None, 0),
+    (64, 1, False, (70, 30), 0),
+    (128, 2, False, (200, 40), 128),
+    (256, 2, False, None, 0),
+    (256, 1, True, None, 128),
+    (256, 2, True, (100, 0), 0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CUDA_FORWARD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_forward_head_dims(case):
+    """The CUDA C++ forward at each head dim against the float32 reference: padding keys (37,
+    masked in the last key block) and rows, several tiles a CTA, GQA, causal and windows."""
+    if not ON_HOPPER or not _ffi.has_target(fh.CUDA_FORWARD_TARGET, "cuda"):
+        pytest.skip("the CUDA C++ forward needs a Hopper GPU and its build")
+    dim, hkv, causal, window, offset = case
+    # 2 x 8 heads x 10 tiles of 128 rows: more tiles than SMs, so some CTAs take two
+    sq, skv = 1280, 640
+    geo = fh.Geometry(causal, window, offset, skv - 37, sq - 5)
+    q, k, v, rows, cols, _, _ = _kernel_inputs(1, dim, hkv, sq, skv, b=2, hq=8)
+    cfg = dataclasses.replace(fh.default_config(dim, skv), cuda_forward=True)
+    assert fh._cuda_forward_serves(q, cfg, softcap=None, geometry=geo, tile_fn=None,
+                                   tables=None, dropout=None)
+    out, lse, mx = fh.forward(q, k, v, rows, cols, scale=dim ** -0.5, softcap=None,
+                              geometry=geo, tile_fn=None, config=cfg)
+    r_out, r_lse, r_mx = _reference(q, k, v, rows, cols, dim ** -0.5, None, geo, None)
+    _close(out, r_out, 3e-2, "out")
+    _close(lse, r_lse, 1e-4, "lse")
+    _close(mx, r_mx, 1e-4, "max")
+
+
 def _both_backwards(*args, config, **kw):
     """The default backward (plain scores on the CUDA C++ kernel where it was built, else dQ
     reduce-added inside the dK/dV kernel where it can be), and the two-kernel form
@@ -199,8 +232,8 @@ def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
 
 
 def test_which_forward_the_cuda_kernel_serves(monkeypatch):
-    """The CUDA C++ forward serves plain scores at head dim 128 in 16-bit with whole 128-row
-    query blocks, where asked for and built (no GPU needed: the routing alone)."""
+    """The CUDA C++ forward serves plain scores at head dims 64, 128 and 256 in 16-bit with
+    whole 128-row query blocks, where asked for and built (no GPU needed: the routing alone)."""
     from attnaux import _ffi
 
     registered = {"yes": True}
@@ -221,7 +254,8 @@ def test_which_forward_the_cuda_kernel_serves(monkeypatch):
     assert not serves(softcap=30.0) and not serves(tile_fn=TILE) and not serves(dropout=0.1)
     assert not serves(geometry=fh.Geometry(False, None, 0, 0, 0, packed=True))
     assert not serves(q=q.astype(jnp.float32)) and not serves(q=q[:, :192])
-    assert not serves(q=q[..., :64]) and not serves(q=jnp.zeros((1, 256, 4, 256), jnp.bfloat16))
+    assert serves(q=q[..., :64]) and serves(q=jnp.zeros((1, 256, 4, 256), jnp.bfloat16))
+    assert not serves(q=q[..., :32]) and not serves(q=jnp.zeros((1, 256, 4, 192), jnp.bfloat16))
     registered["yes"] = False
     assert not serves()
 
@@ -410,7 +444,8 @@ def test_lengths_and_segment_ids_reach_the_kernels_in_the_mask_mod(monkeypatch, 
     with emulated_kernels():
         out, aux = jax.jit(lambda q, k, v: ax.attention(q, k, v, **options))(q, k, v)
     assert aux.backend == "flash"
-    want, want_aux = ax.attention(q, k, v, backend="reference", **options)
+    want, want_aux = jax.jit(lambda q, k, v: ax.attention(q, k, v, backend="reference",
+                                                          **options))(q, k, v)
     _close(out, want, 1e-5, "out")
     _close(aux.lse, want_aux.lse, 1e-5, "lse")
 

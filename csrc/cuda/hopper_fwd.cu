@@ -1,7 +1,8 @@
 // `attnaux_hopper_fwd`: the XLA FFI handler of attnaux's own Hopper attention forward
 // (cuda/hopper_fwd_kernel.cuh): out, lse and max of plain scores (scale, causal / window
-// geometry, GQA) at head dim 128 in bfloat16 or float16. Called by `_flash_hopper.forward` when
-// its config asks for it; see hopper_fwd_params.h for the operands' layouts.
+// geometry, GQA) at head dims 64, 128 and 256 in bfloat16 or float16. Called by
+// `_flash_hopper.forward` when its config asks for it; see hopper_fwd_params.h for the operands'
+// layouts.
 //
 // Built only for sm_90a, and only when the CUTLASS/CuTe headers were found (CMakeLists.txt);
 // the handler refuses another GPU with an error naming the device it found.
@@ -49,6 +50,21 @@ cudaError_t Launch(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The kernel of each head dim (FwdTraits: keys a step, tiles' Q in shared memory), from
+// FlashAttention-3's tiles and what was measured (H100, bf16, forward alone,
+// tools/gpu_dev/fwd_ab.py; docs/performance.md, 2026-11-27 seventh session):
+// - head dims 64 and 128: 128 keys, two Q buffers (64: 192 keys measured 0.88-1.05x);
+// - head dim 256: 64 keys, one Q buffer (a second does not fit); FlashAttention-3's 80 keys
+//   measured 0.71-0.78x (ptxas spills there: 224 bytes against 184 at 64). At 128 keys and
+//   head dim 128, 160 keys (two Q buffers) measured 0.70-0.86x, 176 (one) 0.61-0.75x, both
+//   spilling beside S, P and O in the 240 registers of a consumer thread.
+template <class T>
+cudaError_t LaunchFor(const FwdParams& p, int dim, cudaStream_t stream) {
+  if (dim == 64) return Launch<FwdTraits<T, 64, 128, 2>>(p, stream);
+  if (dim == 128) return Launch<FwdTraits<T, 128, 128, 2>>(p, stream);
+  return Launch<FwdTraits<T, 256, 64, 1>>(p, stream);
+}
+
 ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, float scale, int64_t q_len, int64_t kv_len,
                          int64_t offset, int32_t has_upper, int64_t upper, int32_t has_lower,
@@ -75,8 +91,9 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
       v.element_type() != dtype || out->element_type() != dtype) {
     return AttnInvalid(kTarget, "q, k, v and out must share one dtype, bfloat16 or float16.");
   }
-  if (dim != 128) {
-    return AttnInvalid(kTarget, "head dim must be 128, got " + std::to_string(dim) + ".");
+  if (dim != 64 && dim != 128 && dim != 256) {
+    return AttnInvalid(kTarget, "head dim must be 64, 128 or 256, got " + std::to_string(dim) +
+                                    ".");
   }
   if (q_seq % 128 != 0 || kv_seq % 128 != 0) {
     return AttnInvalid(kTarget, "q_seq and kv_seq must be multiples of 128 (padded), got " +
@@ -123,8 +140,10 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.has_lower = has_lower != 0;
   p.lower = int(lower);
   if (bsz == 0 || q_seq == 0 || q_heads == 0) return ffi::Error::Success();
-  cudaError_t launch = dtype == ffi::BF16 ? Launch<FwdTraits<cutlass::bfloat16_t, 128>>(p, stream)
-                                          : Launch<FwdTraits<cutlass::half_t, 128>>(p, stream);
+  cudaError_t launch =
+      dtype == ffi::BF16
+          ? LaunchFor<cutlass::bfloat16_t>(p, int(dim), stream)
+          : LaunchFor<cutlass::half_t>(p, int(dim), stream);
   return CudaResult(kTarget, launch);
 }
 

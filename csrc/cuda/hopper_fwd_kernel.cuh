@@ -1,12 +1,13 @@
 // attnaux's own Hopper (sm_90a) attention forward, in CUDA C++ with CuTe, returning out, lse and
-// max: FlashAttention-3's forward at head dim 128 (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp).
+// max: FlashAttention-3's forward (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp) at head dims 64, 128
+// and 256 (the tiles: hopper_fwd.cu).
 //
 // Persistent: a CTA an SM takes tiles of 128 query rows of one query head in turn (the order:
 // the kernel's first lines). In a CTA:
 // - a producer warpgroup (24 registers after setmaxnreg): one thread loads each tile's Q (two
-//   buffers: the next tile's while this one runs) and each key block's K and V (128 keys) by
-//   TMA into a two-stage mbarrier pipeline that runs on across tiles;
-// - two consumer warpgroups (240 registers), 64 rows each, holding O (64 x 128 float32), the
+//   buffers where they fit: the next tile's while this one runs) and each key block's K and V
+//   (kBlockN keys) by TMA into a two-stage mbarrier pipeline that runs on across tiles;
+// - two consumer warpgroups (240 registers), 64 rows each, holding O (64 x D float32), the
 //   row maxima and the partial row sums in registers, taking turns to issue their products
 //   (ping-pong). Per key block j (intra-warpgroup overlap: the softmax of block j runs while
 //   the tensor cores do block j - 1's P V):
@@ -37,16 +38,22 @@
 
 namespace attnaux_hopper {
 
-template <class Element_, int kHeadDim_>
+// kBlockN keys a step; kQBuffers tiles' Q in shared memory (2: the next tile's Q loads during
+// this one's epilogue; 1 where shared memory holds no second, as at head dim 256: the producer
+// then loads the next tile's first K block before it waits for the epilogue to free Q)
+template <class Element_, int kHeadDim_, int kBlockN_, int kQBuffers_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // query rows a CTA; consumer warpgroup w: [64 w, 64 w + 64)
-  static constexpr int kBlockN = 128;  // keys a step
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kQBuffers = kQBuffers_;
   static constexpr int kStages = 2;    // K and V blocks in flight
   static constexpr int kThreads = 384;  // a producer warpgroup, then two consumer warpgroups
   static constexpr int kConsumerThreads = 256;
   static_assert(kHeadDim % 64 == 0, "a row of K must fill whole 128-byte swizzle atoms");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V takes the keys 16 at a time");
+  static_assert(kQBuffers == 1 || kQBuffers == 2);
 
   using BlockM = Int<kBlockM>;
   using BlockN = Int<kBlockN>;
@@ -64,7 +71,8 @@ struct FwdTraits {
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim>{}));
-  using SmemLayoutQ2 = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, _2>{}));
+  using SmemLayoutQs =
+      decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, Int<kQBuffers>>{}));
   using SmemLayoutKVOne = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim, Int<kStages>>{}));
   using SmemLayoutVt = decltype(composition(
@@ -83,13 +91,14 @@ struct FwdTraits {
   static constexpr uint32_t kBlockBytes = kBlockN * kHeadDim * sizeof(Element);
 
   struct SharedStorage {
-    // Q of two tiles: the producer loads the next tile's while the consumers work on this one;
-    // a warpgroup stages its O in its own rows of its tile's Q (its products alone read them)
-    alignas(1024) Element q[cosize_v<SmemLayoutQ2>];
+    // Q of kQBuffers tiles (two: the producer loads the next tile's while the consumers work
+    // on this one); a warpgroup stages its O in its own rows of its tile's Q (its products
+    // alone read them)
+    alignas(1024) Element q[cosize_v<SmemLayoutQs>];
     alignas(1024) Element k[cosize_v<SmemLayoutKV>];
     alignas(1024) Element v[cosize_v<SmemLayoutKV>];
-    alignas(8) uint64_t q_full[2];
-    alignas(8) uint64_t q_empty[2];
+    alignas(8) uint64_t q_full[kQBuffers];
+    alignas(8) uint64_t q_empty[kQBuffers];
     alignas(8) uint64_t k_full[kStages];
     alignas(8) uint64_t v_full[kStages];
     alignas(8) uint64_t k_empty[kStages];  // K released once S is done, V once P V is
@@ -97,6 +106,7 @@ struct FwdTraits {
   };
   // the dynamic shared memory is aligned by hand to the swizzle atoms' 1024 bytes
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may take");
 };
 
 template <class Traits>
@@ -113,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBarrier = cutlass::arch::ClusterBarrier;
   constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim;
-  constexpr int kStages = Traits::kStages;
+  constexpr int kStages = Traits::kStages, kQBuffers = Traits::kQBuffers;
   constexpr float kInf = __builtin_huge_valf();
   using SharedStorage = typename Traits::SharedStorage;
   const FwdParams& p = params.p;
@@ -170,7 +180,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the key blocks that some row of [m0, m0 + M) sees
     const int m0 = tile.m_block * M;
     int n_lo = 0;
-    int n_hi = min((p.kv_len + N - 1) / N, p.kv_seq / N);
+    // (a last block past kv_seq: TMA fills the rows past it with zeros, the mask hides them)
+    int n_hi = (min(p.kv_len, p.kv_seq) + N - 1) / N;
     if (p.has_upper) n_hi = min(n_hi, FloorDiv(m0 + M - 1 + p.offset + p.upper, N) + 1);
     if (p.has_lower) n_lo = max(n_lo, FloorDiv(m0 + p.offset - p.lower, N));
     if (m0 >= p.q_len) n_hi = n_lo;
@@ -180,7 +191,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   if (warp == 0 && cute::elect_one_sync()) {
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < kQBuffers; ++j) {
       FullBarrier::init(&shared.q_full[j], 1);
       EmptyBarrier::init(&shared.q_empty[j], Traits::kConsumerThreads / 32);
     }
@@ -194,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  Tensor sQ = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutQ2{});
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(shared.k), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(shared.v), typename Traits::SmemLayoutKV{});
 
@@ -215,15 +226,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const Tile tile = tile_at(t);
         if (tile.n_blocks == 0) continue;
         const int kv_head = tile.h / (p.q_heads / p.kv_heads);
-        // a Q buffer is free once the consumers wrote out the O staged in it two tiles ago
-        const int q_buf = q_loads % 2;
-        if (q_loads >= 2) EmptyBarrier::wait(&shared.q_empty[q_buf], ((q_loads / 2) - 1) & 1);
-        ++q_loads;
-        FullBarrier::arrive_and_expect_tx(&shared.q_full[q_buf], Traits::kQBytes);
-        copy(params.tma_q.with(shared.q_full[q_buf]),
-             tma_q.partition_S(local_tile(mQ(_, _, tile.h, tile.b), Shape<Int<M>, Int<D>>{},
-                                          make_coord(tile.m_block, 0))),
-             tma_q.partition_D(sQ(_, _, q_buf)));
         for (int i = 0; i < tile.n_blocks; ++i, ++it) {
           const int s = it % kStages;
           const int n_block = tile.n_lo + i;
@@ -234,6 +236,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                tma_k.partition_S(local_tile(mK(_, _, kv_head, tile.b), Shape<Int<N>, Int<D>>{},
                                             make_coord(n_block, 0))),
                tma_k.partition_D(sK(_, _, s)));
+          if (i == 0) {
+            // Q after the tile's first K block: with one Q buffer the wait for the last
+            // tile's epilogue (which stages O in it) then holds back no K load
+            const int q_buf = q_loads % kQBuffers;
+            if (q_loads >= kQBuffers) {
+              EmptyBarrier::wait(&shared.q_empty[q_buf], ((q_loads / kQBuffers) - 1) & 1);
+            }
+            ++q_loads;
+            FullBarrier::arrive_and_expect_tx(&shared.q_full[q_buf], Traits::kQBytes);
+            copy(params.tma_q.with(shared.q_full[q_buf]),
+                 tma_q.partition_S(local_tile(mQ(_, _, tile.h, tile.b), Shape<Int<M>, Int<D>>{},
+                                              make_coord(tile.m_block, 0))),
+                 tma_q.partition_D(sQ(_, _, q_buf)));
+          }
           if (it >= kStages) EmptyBarrier::wait(&shared.v_empty[s], phase);
           FullBarrier::arrive_and_expect_tx(&shared.v_full[s], Traits::kBlockBytes);
           copy(params.tma_v.with(shared.v_full[s]),
@@ -285,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int m0 = tile.m_block * M;
     const int r0 = m0 + wg * 64;  // this warpgroup's first row
     const int n_blocks = tile.n_blocks;
-    const int q_buf = q_loads % 2;  // this tile's Q buffer (where it has a Q)
+    const int q_buf = q_loads % kQBuffers;  // this tile's Q buffer (where it has a Q)
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<M>, Int<D>>{});
     clear(tOrO);
     // the accumulators' value i lies in row half (i / 2) % 2 of the thread's two rows (the
@@ -368,7 +384,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<T>(tSrS(i));
       };
 
-      FullBarrier::wait(&shared.q_full[q_buf], (q_loads / 2) & 1);
+      FullBarrier::wait(&shared.q_full[q_buf], (q_loads / kQBuffers) & 1);
       ++q_loads;
       float corr[2];
       {

@@ -554,10 +554,10 @@ class Config:
     # tile pair, dQ bulk-reduce-added in float32, so not bitwise reproducible (never under XLA's
     # deterministic mode). `default_config` says where it serves
     cuda_backward: bool = False
-    # plain scores' forward (no softcap, tile function, dropout or packing) at head dim 128 in
-    # the CUDA C++ kernel (csrc/cuda/hopper_fwd.cu, CuTe: persistent, FlashAttention-3's
-    # warp-specialized forward) where it was built. Opt-in: not yet ahead of the Pallas forward
-    # (`default_config`)
+    # plain scores' forward (no softcap, tile function, dropout or packing) at head dims 64,
+    # 128 and 256 in the CUDA C++ kernel (csrc/cuda/hopper_fwd.cu, CuTe: persistent,
+    # FlashAttention-3's warp-specialized forward) where it was built. Opt-in: not yet ahead of
+    # the Pallas forward (`default_config`)
     cuda_forward: bool = False
 
 
@@ -1078,12 +1078,12 @@ CUDA_FORWARD_TARGET = "attnaux_hopper_fwd"
 def _cuda_forward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
                          dropout) -> bool:
     """Whether `forward` runs on the CUDA C++ kernel (`_cuda_forward`): plain scores (scale,
-    causal / window geometry, GQA), head dim 128, 16-bit inputs, query rows in whole 128-row
-    blocks, asked for by `config` and built into this install."""
+    causal / window geometry, GQA), head dims 64, 128 and 256, 16-bit inputs, query rows in
+    whole 128-row blocks, asked for by `config` and built into this install."""
     from ._ffi import has_target
 
     return (config.cuda_forward and softcap is None and tile_fn is None and tables is None
-            and not dropout and not geometry.packed and q.shape[3] == 128
+            and not dropout and not geometry.packed and q.shape[3] in (64, 128, 256)
             and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] % 128 == 0
             and has_target(CUDA_FORWARD_TARGET, "cuda"))
 
@@ -1107,7 +1107,8 @@ def _geometry_attrs(geometry: Geometry) -> dict:
 
 def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
     """`forward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_fwd.cu):
-    persistent CTAs taking tiles of 128 query rows of a head, key blocks of 128. Keys past
+    persistent CTAs taking tiles of 128 query rows of a head, key blocks of 128 (64 at head dim
+    256). Keys past
     `geometry.kv_len` are masked; V's rows there are zeroed first when there are any, as a
     masked key's P of 0 still meets its V row in the tensor cores (0 * NaN is NaN)."""
     import numpy as np
