@@ -260,6 +260,46 @@ def test_which_forward_the_cuda_kernel_serves(monkeypatch):
     assert not serves()
 
 
+@pytest.mark.parametrize("visibility", [
+    (2048, 2048, 0, 1, 0, 0, 0),        # causal
+    (2048, 2048, 0, 0, 0, 0, 0),        # no mask
+    (1900, 1500, 400, 1, 0, 1, 300),    # bottom-right causal window, padding rows and keys
+    (2048, 2048, 0, 0, 0, 1, 700),      # a lower bound alone
+], ids=["causal", "none", "window", "lower"])
+def test_cuda_forward_schedule_lists_every_tile_once_and_balances(visibility):
+    """The CUDA forward's tile lists: offsets from 0 to the number of tiles, every tile in
+    exactly one list, and (list scheduling) no CTA with more key blocks than the mean plus
+    the heaviest tile; under a causal mask less than the zigzag rounds of equal tile counts
+    gave (4 x 2048 x 16 heads: 1.27x the mean)."""
+    heads, m_blocks, grid, block_kv = 64, 16, 132, 128
+    schedule = fh._cuda_forward_schedule(heads, m_blocks, block_kv, 2048, visibility, grid)
+    assert schedule.dtype == np.int32
+    offsets, tiles = schedule[:grid + 1], schedule[grid + 1:]
+    assert offsets[0] == 0 and offsets[-1] == len(tiles) == heads * m_blocks
+    assert np.all(np.diff(offsets) >= 0)
+    np.testing.assert_array_equal(np.sort(tiles), np.arange(heads * m_blocks))
+    # the cost model, from the visibility rules row by row (independent of the builder's
+    # block arithmetic): the key blocks that some row of a tile sees, the padding rows of a
+    # tile with real rows included (the kernel walks the whole tile), plus one
+    q_len, kv_len, offset, has_upper, upper, has_lower, lower = visibility
+    rows = np.arange(2048)[:, None]
+    keys = np.arange(2048)[None, :]
+    seen = (rows // 128 * 128 < q_len) & (keys < kv_len)
+    if has_upper:
+        seen &= keys <= rows + offset + upper
+    if has_lower:
+        seen &= keys >= rows + offset - lower
+    blocks = seen.reshape(m_blocks, 128, 2048 // block_kv, block_kv).any(axis=(1, 3))
+    span = [(np.flatnonzero(b).max() - np.flatnonzero(b).min() + 1) if b.any() else 0
+            for b in blocks]
+    cost = np.asarray(span) + 1
+    work = np.asarray([cost[tiles[a:b] % m_blocks].sum()
+                       for a, b in zip(offsets[:-1], offsets[1:])])
+    assert work.max() <= cost.sum() * heads / grid + cost.max(), (work.max(), work.mean())
+    if visibility[3] and not visibility[5]:
+        assert work.max() < 1.1 * work.mean(), (work.max(), work.mean())
+
+
 def test_which_backward_the_cuda_kernel_serves(monkeypatch):
     """Plain scores at head dim 128 in 16-bit floats go to the CUDA C++ backward where it is
     registered and the config asks for it (`default_config`: except banded below 4096 keys)

@@ -40,13 +40,8 @@ cudaError_t Launch(const FwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // the TMA descriptors of this call's tensors, passed as a __grid_constant__ parameter
   const FwdKernelParams<Traits> params = MakeFwdKernelParams<Traits>(p);
-  // persistent: a CTA an SM (or a tile), each taking tiles in turn (hopper_fwd_kernel.cuh)
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int tiles = p.q_seq / Traits::kBlockM * p.q_heads * p.batch;
-  const dim3 grid(std::max(1, std::min(tiles, sms > 0 ? sms : 132)));
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  // persistent: the schedule's CTAs (about one an SM), each taking its list of tiles
+  kernel<<<dim3(p.grid), Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -66,7 +61,8 @@ cudaError_t LaunchFor(const FwdParams& p, int dim, cudaStream_t stream) {
 }
 
 ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                         ffi::AnyBuffer v, float scale, int64_t q_len, int64_t kv_len,
+                         ffi::AnyBuffer v, ffi::Buffer<ffi::S32> schedule, int64_t grid,
+                         float scale, int64_t q_len, int64_t kv_len,
                          int64_t offset, int32_t has_upper, int64_t upper, int32_t has_lower,
                          int64_t lower, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::F32>> lse,
@@ -116,6 +112,13 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
     return AttnInvalid(kTarget, "batch and q_heads must be at most 65535 and the sequences "
                                 "at most 2^30 (grid and int32 positions).");
   }
+  const auto sd = schedule.dimensions();
+  if (sd.size() != 1 || grid < 1 || grid > 65535 || sd[0] < grid + 1 ||
+      sd[0] - grid - 1 > (int64_t(1) << 30)) {
+    return AttnInvalid(kTarget, "schedule must be int32 [grid + 1 + tiles] with grid (" +
+                                    std::to_string(grid) + ") in [1, 65535], got " +
+                                    BracketShape(sd) + ".");
+  }
   if (ffi::Error hopper = RequireHopper(kTarget); hopper.failure()) return hopper;
 
   FwdParams p{};
@@ -139,6 +142,9 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.upper = int(upper);
   p.has_lower = has_lower != 0;
   p.lower = int(lower);
+  p.schedule = schedule.typed_data();
+  p.grid = int(grid);
+  p.schedule_tiles = int(sd[0] - grid - 1);
   if (bsz == 0 || q_seq == 0 || q_heads == 0) return ffi::Error::Success();
   cudaError_t launch =
       dtype == ffi::BF16
@@ -156,6 +162,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperFwdCuda, attnaux_hopper::HopperFwdImp
                                   .Arg<ffi::AnyBuffer>()           // q [B, Sq, Hq, D]
                                   .Arg<ffi::AnyBuffer>()           // k [B, Skv, Hkv, D]
                                   .Arg<ffi::AnyBuffer>()           // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // schedule
+                                  .Attr<int64_t>("grid")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("q_len")
                                   .Attr<int64_t>("kv_len")

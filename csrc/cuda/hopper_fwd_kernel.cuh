@@ -137,44 +137,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int lane = threadIdx.x % 32;
 
-  // Persistent: gridDim.x CTAs (the SMs) take the tiles (query block, head, batch) in turn,
-  // a round of gridDim.x tiles at a time, in a zigzag (CTA c takes tile c of the even rounds
-  // and tile gridDim.x - 1 - c of the odd ones: where work falls from tile to tile, two rounds
-  // give every CTA alike work); the producer loads the next tile's Q and K while the
-  // consumers finish the last one. The order of the tiles:
-  // - without an upper bound on the keys (equal work a tile): a head's query blocks next to
-  //   each other, so that the CTAs at work together read the same K and V through L2;
-  // - under a causal mask (work growing with the query block): in groups of heads, the
-  //   group's last query blocks first (a round's tiles take alike work); a group holds two
-  //   rounds' worth of tiles and at least 16 heads (some 8 CTAs on a head at once, reading
-  //   the same K and V blocks through L2). Measured (H100, forward TFLOP/s): a head's blocks
-  //   next to each other gave some CTAs the long blocks only (1 x 8192 x 16: 403); all heads
-  //   in one group read K and V from memory again for every tile at 8 x 1024 x 128 heads
-  //   (276, groups of 34: 339); groups of 6 heads at 1 x 8192 x 16: 545, of 16: 615.
+  // Persistent: gridDim.x CTAs (about one an SM) each take the list of tiles (query block,
+  // head, batch) that the schedule gives them, in its order; the producer loads the next
+  // tile's Q and K while the consumers finish the last one. The schedule (int32): gridDim.x + 1
+  // offsets, then the tiles t = (batch * q_heads + head) * m_blocks + m_block, CTA c's tiles
+  // at [offsets[c], offsets[c + 1]). `_flash_hopper._cuda_forward_schedule` builds it from the
+  // static geometry: in groups of heads, the heavy query blocks first under a causal mask, each
+  // tile to the CTA that runs out of work first by the tiles' key blocks (the list
+  // scheduling a dynamic tile counter would do, without the counter; why the groups: there).
+  // Entries out of range are skipped (no read past the arrays; a tile not listed keeps
+  // whatever its output held: the schedule's builder lists each tile once).
   const int m_blocks = p.q_seq / M;
-  const int heads = p.q_heads * p.batch;
-  const int tiles = m_blocks * heads;
-  const int group = min(heads, max(16, 2 * ((int(gridDim.x) + m_blocks - 1) / m_blocks)));
-  auto tile_of = [&](int round) {
-    const int cta = int(blockIdx.x), g = int(gridDim.x);
-    return round * g + (round % 2 ? g - 1 - cta : cta);
-  };
+  const int tiles = m_blocks * p.q_heads * p.batch;
+  const int* schedule = p.schedule;
+  const int* schedule_tiles = schedule + gridDim.x + 1;
+  const int list_begin = max(schedule[blockIdx.x], 0);
+  const int list_end = min(schedule[blockIdx.x + 1], p.schedule_tiles);
   struct Tile {
     int m_block, h, b, n_lo, n_blocks;
   };
   auto tile_at = [&](int t) {
     Tile tile;
-    int head, m_rev;
-    if (p.has_upper) {
-      const int g = t / (group * m_blocks), in_group = t % (group * m_blocks);
-      const int size = min(group, heads - g * group);  // the last group may be smaller
-      head = g * group + in_group % size;
-      m_rev = in_group / size;
-    } else {
-      head = t / m_blocks;
-      m_rev = t % m_blocks;
-    }
-    tile.m_block = m_blocks - 1 - m_rev;
+    const int head = t / m_blocks;
+    tile.m_block = t % m_blocks;
     tile.h = head % p.q_heads;
     tile.b = head / p.q_heads;
     // the key blocks that some row of [m0, m0 + M) sees
@@ -220,9 +205,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto tma_v = params.tma_v.get_slice(Int<0>{});
       int it = 0;       // K and V blocks loaded, over all tiles: the pipeline's position
       int q_loads = 0;  // tiles whose Q was loaded
-      for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
-        const int t = tile_of(round);
-        if (t >= tiles) continue;
+      for (int entry = list_begin; entry < list_end; ++entry) {
+        const int t = schedule_tiles[entry];
+        if (t < 0 || t >= tiles) continue;
         const Tile tile = tile_at(t);
         if (tile.n_blocks == 0) continue;
         const int kv_head = tile.h / (p.q_heads / p.kv_heads);
@@ -294,9 +279,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   int it = 0;       // K and V blocks consumed, over all tiles
   int q_loads = 0;  // tiles whose Q was loaded
-  for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
-    const int t = tile_of(round);
-    if (t >= tiles) continue;
+  for (int entry = list_begin; entry < list_end; ++entry) {
+    const int t = schedule_tiles[entry];
+    if (t < 0 || t >= tiles) continue;
     const Tile tile = tile_at(t);
     const int m0 = tile.m_block * M;
     const int r0 = m0 + wg * 64;  // this warpgroup's first row

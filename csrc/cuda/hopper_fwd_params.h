@@ -27,6 +27,11 @@ struct FwdParams {
   // `has_upper` kv <= q + offset + upper, where `has_lower` kv >= q + offset - lower.
   int q_len, kv_len, offset, upper, lower;
   bool has_upper, has_lower;
+
+  // The persistent CTAs' tiles (hopper_fwd_kernel.cuh): `grid` + 1 offsets, then
+  // `schedule_tiles` tile indices.
+  const int* schedule;
+  int grid, schedule_tiles;
 };
 
 }  // namespace attnaux_hopper

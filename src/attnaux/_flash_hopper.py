@@ -1073,6 +1073,7 @@ def _row_stats(out, lse, dout, dlse):
 
 CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd"
 CUDA_FORWARD_TARGET = "attnaux_hopper_fwd"
+CUDA_FORWARD_ROWS = 128  # the CUDA forward's query rows a tile (FwdTraits::kBlockM)
 
 
 def _cuda_forward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
@@ -1119,11 +1120,84 @@ def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
     if kv_seq % 128:  # the kernel's key blocks
         pad = [(0, 0), (0, -kv_seq % 128), (0, 0), (0, 0)]
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    bsz, q_seq, q_heads, _ = q.shape
+    bsz, q_seq, q_heads, dim = q.shape
+    attrs = _geometry_attrs(geometry)
+    grid = max(1, min(_sm_count(), bsz * q_heads * (q_seq // CUDA_FORWARD_ROWS)))
+    schedule = _cuda_forward_schedule(
+        bsz * q_heads, q_seq // CUDA_FORWARD_ROWS, 64 if dim == 256 else 128, k.shape[1],
+        tuple(int(attrs[n]) for n in ("q_len", "kv_len", "offset", "has_upper", "upper",
+                                      "has_lower", "lower")), grid)
     stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
     return jax.ffi.ffi_call(CUDA_FORWARD_TARGET, (
         jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats))(
-        q, k, v, scale=np.float32(scale), **_geometry_attrs(geometry))
+        q, k, v, jnp.asarray(schedule), grid=np.int64(grid), scale=np.float32(scale), **attrs)
+
+
+def _sm_count() -> int:
+    """The streaming multiprocessors of the default device (the CUDA forward's persistent
+    CTAs); 132, an H100 SXM's, where JAX does not say."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except RuntimeError:
+        return 132
+
+
+@functools.cache
+def _cuda_forward_schedule(heads: int, m_blocks: int, block_kv: int, kv_seq: int,
+                           visibility: tuple, grid: int):
+    """The CUDA forward's tile lists (int32 numpy, hopper_fwd_kernel.cuh): `grid` + 1 offsets,
+    then the tiles `head * m_blocks + m_block` (`head` = batch * q_heads + query head), CTA c's
+    at `[offsets[c], offsets[c + 1])` (`grid` at least 1). `visibility`: `(q_len,
+    kv_len, offset, has_upper, upper, has_lower, lower)` as `FwdParams`.
+
+    The order, then the lists: without an upper bound on the keys (equal work a tile) a head's
+    query blocks next to each other (the CTAs at work together read the same K and V through
+    L2); under one, in groups of heads, the group's last (heaviest) query blocks first, a group
+    two rounds of `grid` tiles and at least 16 heads (some 8 CTAs on a head at once). Measured
+    (H100, forward TFLOP/s, the earlier zigzag rounds over this order): a head's blocks side by
+    side left some CTAs the long blocks only (1 x 8192 x 16: 403); all heads in one group read
+    K and V from memory again for every tile at 8 x 1024 x 128 heads (276, groups of 34: 339);
+    groups of 6 heads at 1 x 8192 x 16: 545, of 16: 615. Each tile in this order goes to the
+    CTA with the least work so far (its tiles' key blocks, plus one for a tile's Q, epilogue
+    and pipeline fill): the list scheduling that a dynamic tile counter does, fixed at trace
+    time. Against the zigzag rounds of equal tiles a CTA, the most work a CTA falls from 1.27
+    to 1.08x the mean at 4 x 2048 x 16 heads causal, 1.23 -> 1.01 at 2 x 4096, 1.12 -> 1.03 at
+    8 x 1024 (the cost model's figures)."""
+    import heapq
+
+    import numpy as np
+
+    q_len, kv_len, offset, has_upper, upper, has_lower, lower = visibility
+    m0 = np.arange(m_blocks) * CUDA_FORWARD_ROWS
+    n_hi = np.full(m_blocks, -(-min(kv_len, kv_seq) // block_kv))
+    n_lo = np.zeros(m_blocks, np.int64)
+    if has_upper:
+        n_hi = np.minimum(n_hi, (m0 + CUDA_FORWARD_ROWS - 1 + offset + upper) // block_kv + 1)
+    if has_lower:
+        n_lo = np.maximum(n_lo, (m0 + offset - lower) // block_kv)
+    n_hi = np.where(m0 >= q_len, n_lo, n_hi)
+    cost = np.maximum(n_hi - n_lo, 0) + 1  # key blocks, plus one for the tile's own work
+    m_order = np.arange(m_blocks)[::-1]  # the last (under a causal mask, heaviest) first
+    if has_upper:
+        group = min(heads, max(16, 2 * (-(-grid // m_blocks))))
+        order = np.concatenate([
+            (np.arange(g, min(g + group, heads))[None, :] * m_blocks
+             + m_order[:, None]).reshape(-1) for g in range(0, heads, group)])
+    else:
+        order = (np.arange(heads)[:, None] * m_blocks + m_order[None, :]).reshape(-1)
+    lists = [[] for _ in range(grid)]
+    if np.all(cost == cost[0]):  # equal work a tile: the list scheduling is the round robin
+        for i, t in enumerate(order):
+            lists[i % grid].append(t)
+    else:
+        load = [(0, c) for c in range(grid)]
+        for t in order:
+            work, c = heapq.heappop(load)
+            lists[c].append(t)
+            heapq.heappush(load, (work + int(cost[t % m_blocks]), c))
+    offsets = np.cumsum([0] + [len(x) for x in lists])
+    return np.concatenate([offsets, np.concatenate([np.asarray(x, np.int64) for x in lists])
+                           ]).astype(np.int32)
 
 
 def _cuda_backward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
