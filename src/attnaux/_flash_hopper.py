@@ -586,8 +586,9 @@ def default_config(head_dim: int, kv_seq: int | None = None, *, banded: bool = F
     wide = (head_dim <= 64 and kv_seq is not None and kv_seq % 256 == 0
             and (not banded or kv_seq >= 4096))
     # The CUDA C++ forward (`cuda_forward`) stays opt-in: it measured 0.96-1.06x the Pallas
-    # forward at head dims 64 and 128, causal or not, and 0.80-0.87x at 256
-    # (`tools/gpu_dev/fwd_ab.py`; H100, bf16; docs/performance.md, 2026-11-27 seventh session)
+    # forward at head dims 64 and 128, causal or not, by the minimum of the rounds
+    # (`tools/gpu_dev/fwd_ab.py`), 0.89-1.05x by the medians (`benchmarks/gpu_hopper.py`), and
+    # 0.80-0.87x at 256 (H100, bf16; docs/performance.md, 2026-11-27 seventh session)
     cuda = head_dim == 128 and not (banded and (kv_seq is None or kv_seq < 4096))
     return Config(block_kv=256 if wide else 128 if head_dim <= 128 else 64, stages=2,
                   overlap=head_dim >= 128 and _accumulator_store_available(),
