@@ -231,22 +231,30 @@ def test_deterministic_ops_flag_selects_the_reproducible_backward(monkeypatch):
     assert fh.default_config(64).fused_dq
 
 
+def _cuda_routing(monkeypatch, target, decide, config, q):
+    """`(serves, registered)` for the routing tests (no GPU needed): `serves(**changes)` asks
+    `decide` (`_cuda_forward_serves` or `_cuda_backward_serves`) about plain causal scores
+    with `q` and `config`, any argument changed, as if the FFI `target` were registered on
+    CUDA, until the test sets `registered["yes"] = False`."""
+    registered = {"yes": True}
+    monkeypatch.setattr(_ffi, "has_target", lambda name, platform: (
+        registered["yes"] and name == target and platform == "cuda"))
+    geo = fh.Geometry(True, None, 0, 256, 256)
+
+    def serves(q=q, config=config, geometry=geo, **kw):
+        kw = {"softcap": None, "tile_fn": None, "tables": None, "dropout": None} | kw
+        return decide(q, config, geometry=geometry, **kw)
+
+    return serves, registered
+
+
 def test_which_forward_the_cuda_kernel_serves(monkeypatch):
     """The CUDA C++ forward serves plain scores at head dims 64, 128 and 256 in 16-bit with
     whole 128-row query blocks, where asked for and built (no GPU needed: the routing alone)."""
-    from attnaux import _ffi
-
-    registered = {"yes": True}
-    monkeypatch.setattr(_ffi, "has_target", lambda name, platform: (
-        registered["yes"] and name == fh.CUDA_FORWARD_TARGET and platform == "cuda"))
-    geo = fh.Geometry(True, None, 0, 256, 256)
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
-    cfg = dataclasses.replace(fh.default_config(128), cuda_forward=True)
-
-    def serves(q=q, config=cfg, geometry=geo, **kw):
-        kw = {"softcap": None, "tile_fn": None, "tables": None, "dropout": None} | kw
-        return fh._cuda_forward_serves(q, config, geometry=geometry, **kw)
-
+    serves, registered = _cuda_routing(
+        monkeypatch, fh.CUDA_FORWARD_TARGET, fh._cuda_forward_serves,
+        dataclasses.replace(fh.default_config(128), cuda_forward=True), q)
     assert serves() and serves(q=q.astype(jnp.float16))
     # opt-in: not yet measured ahead of the Pallas forward (`default_config`)
     assert not fh.default_config(128).cuda_forward and not serves(config=fh.default_config(128))
@@ -305,20 +313,11 @@ def test_which_backward_the_cuda_kernel_serves(monkeypatch):
     registered and the config asks for it (`default_config`: except banded below 4096 keys)
     outside XLA's deterministic mode;
     every modifier, packing, dropout, float32 and other head dims keep the Pallas kernels."""
-    from attnaux import _ffi
-
-    registered = {"yes": True}
-    monkeypatch.setattr(_ffi, "has_target", lambda name, platform: (
-        registered["yes"] and name == fh.CUDA_BACKWARD_TARGET and platform == "cuda"))
     monkeypatch.setenv("XLA_FLAGS", "")
-    geo = fh.Geometry(True, None, 0, 256, 256)
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
-    cfg = dataclasses.replace(fh.default_config(128), cuda_backward=True)
-
-    def serves(q=q, config=cfg, geometry=geo, **kw):
-        kw = {"softcap": None, "tile_fn": None, "tables": None, "dropout": None} | kw
-        return fh._cuda_backward_serves(q, config, geometry=geometry, **kw)
-
+    serves, registered = _cuda_routing(
+        monkeypatch, fh.CUDA_BACKWARD_TARGET, fh._cuda_backward_serves,
+        dataclasses.replace(fh.default_config(128), cuda_backward=True), q)
     assert serves() and serves(q=q.astype(jnp.float16))
     # on by default at head dim 128 except banded below 4096 keys (measured slower there)
     assert fh.default_config(128).cuda_backward and fh.default_config(128, 4096).cuda_backward

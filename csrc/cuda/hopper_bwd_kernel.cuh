@@ -402,9 +402,7 @@ KernelParams<Traits> MakeKernelParams(const BwdParams& p) {
   using T = typename Traits::Element;
   constexpr int D = Traits::kHeadDim;
   auto seq_tensor = [&](const void* ptr, int seq, int heads) {
-    return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
-                       make_shape(int32_t(seq), int32_t(D), int32_t(heads), int32_t(p.batch)),
-                       make_stride(int64_t(heads) * D, _1{}, int64_t(D), int64_t(seq) * heads * D));
+    return SequenceTensor<T, D>(ptr, seq, heads, p.batch);
   };
   KernelParams<Traits> w{};
   w.p = p;

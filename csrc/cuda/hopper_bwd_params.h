@@ -13,9 +13,13 @@
 
 #include <cstdint>
 
+#include "cuda/hopper_geometry.h"
+
 namespace attnaux_hopper {
 
-struct BwdParams {
+// The geometry (HopperGeometry) as the forward's; scale is dK's factor (dQ's is applied to
+// dq_accum by the caller).
+struct BwdParams : HopperGeometry {
   const void* q;
   const void* k;
   const void* v;
@@ -24,17 +28,5 @@ struct BwdParams {
   float* dq_accum;
   void* dk;
   void* dv;
-
-  int batch, q_seq, kv_seq, q_heads, kv_heads;
-
-  // softmax scale (dK's factor; dQ's is applied to dq_accum by the caller) and scale * log2(e)
-  float scale, scale_log2;
-
-  // Which (query row q, key kv) pairs are visible, in the padded problem's coordinates:
-  // kv < kv_len, q < q_len, and where `has_upper` kv <= q + offset + upper (causal: upper = 0),
-  // where `has_lower` kv >= q + offset - lower (a window's left size).
-  int q_len, kv_len, offset, upper, lower;
-  bool has_upper, has_lower;
 };
-
 }  // namespace attnaux_hopper

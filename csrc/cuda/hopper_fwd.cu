@@ -128,20 +128,8 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.max = row_max->typed_data();
-  p.batch = int(bsz);
-  p.q_seq = int(q_seq);
-  p.kv_seq = int(kv_seq);
-  p.q_heads = int(q_heads);
-  p.kv_heads = int(kv_heads);
-  p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.q_len = int(q_len);
-  p.kv_len = int(kv_len);
-  p.offset = int(offset);
-  p.has_upper = has_upper != 0;
-  p.upper = int(upper);
-  p.has_lower = has_lower != 0;
-  p.lower = int(lower);
+  SetGeometry(p, bsz, q_seq, kv_seq, q_heads, kv_heads, scale, q_len, kv_len, offset, has_upper,
+              upper, has_lower, lower);
   p.schedule = schedule.typed_data();
   p.grid = int(grid);
   p.schedule_tiles = int(sd[0] - grid - 1);

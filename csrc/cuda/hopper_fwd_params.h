@@ -9,9 +9,11 @@
 
 #include <cstdint>
 
+#include "cuda/hopper_geometry.h"
+
 namespace attnaux_hopper {
 
-struct FwdParams {
+struct FwdParams : HopperGeometry {
   const void* q;
   const void* k;
   const void* v;
@@ -19,19 +21,9 @@ struct FwdParams {
   float* lse;
   float* max;
 
-  int batch, q_seq, kv_seq, q_heads, kv_heads;
-
-  float scale, scale_log2;  // softmax scale and scale * log2(e)
-
-  // Which (query row q, key kv) pairs are visible, as BwdParams: kv < kv_len, q < q_len, where
-  // `has_upper` kv <= q + offset + upper, where `has_lower` kv >= q + offset - lower.
-  int q_len, kv_len, offset, upper, lower;
-  bool has_upper, has_lower;
-
   // The persistent CTAs' tiles (hopper_fwd_kernel.cuh): `grid` + 1 offsets, then
   // `schedule_tiles` tile indices.
   const int* schedule;
   int grid, schedule_tiles;
 };
-
 }  // namespace attnaux_hopper

@@ -41,6 +41,15 @@ __device__ __forceinline__ auto AccumulatorAsA(Layout0 acc) {
                      coalesce(make_layout(get<0, 1>(l), get<2>(acc))));
 }
 
+// A [batch, seq, heads, D] array of T as the kernels' TMA copies see it: (seq, dim, heads,
+// batch), the dim contiguous (host code: the TMA descriptors are built from it).
+template <class T, int D>
+auto SequenceTensor(const void* ptr, int seq, int heads, int batch) {
+  return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
+                     make_shape(int32_t(seq), int32_t(D), int32_t(heads), int32_t(batch)),
+                     make_stride(int64_t(heads) * D, _1{}, int64_t(D), int64_t(seq) * heads * D));
+}
+
 __device__ __forceinline__ int FloorDiv(int a, int b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
