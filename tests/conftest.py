@@ -284,6 +284,23 @@ requires_flash = pytest.mark.skipif(
 )
 
 
+def every_other(cases, *, single: bool = False):
+    """A parametrize list with every other case (odd positions) behind the `slow` marker: the
+    default run takes half of a family of alike cases, `pytest -m slow` the other half.
+    `cases`: argument tuples, or single values with `single=True`, or `pytest.param`s."""
+    out = []
+    for i, case in enumerate(cases):
+        if i % 2 == 0:
+            out.append(case)
+        elif isinstance(case, type(pytest.param(None))):
+            out.append(pytest.param(*case.values, marks=[*case.marks, pytest.mark.slow],
+                                    id=case.id))
+        else:
+            values = (case,) if single else tuple(case)
+            out.append(pytest.param(*values, marks=pytest.mark.slow))
+    return out
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None and jax.default_backend() != "gpu":
         pytest.skip(f"needs a GPU; JAX's default backend is {jax.default_backend()!r}")

@@ -33,6 +33,7 @@ import pytest
 from conftest import (
     assert_close,
     dtype_id,
+    every_other,
     loss_weights,
     make_inputs,
     make_options,
@@ -162,15 +163,17 @@ def _run_option_case(name, dtype, shape, seed=0):
     check_parity(q, k, v, opts, seed)
 
 
-# Default: every option set in float32 at the one-tile shape and at one multi-tile shape
-# (alternating q_seq < kv_seq and q_seq > kv_seq); the slow sweep runs every shape.
+# Default: every option set in float32 at one shape, in turn the one-tile shape and a
+# multi-tile one (alternating q_seq < kv_seq and q_seq > kv_seq); the other shape behind the
+# slow marker, and the slow sweep runs every shape and dtype.
 _MULTI_TILE = ["70x133", "133x70"]
 
 
 @pytest.mark.parametrize(
     "name,dtype,shape",
     [c for n, name in enumerate(OPTION_SETS)
-     for c in _option_cases([name], [F32], ["9x23", _MULTI_TILE[n % 2]])])
+     for c in every_other(_option_cases([name], [F32], ["9x23", _MULTI_TILE[n % 4 // 2]])
+                          [::1 if n % 2 == 0 else -1])])
 def test_options(name, dtype, shape):
     _run_option_case(name, dtype, shape)
 
@@ -227,7 +230,7 @@ def _default_shape_cases():
     return cases
 
 
-@pytest.mark.parametrize("sq,skv,d,dv,hq,hkv,dtype,causal", _default_shape_cases())
+@pytest.mark.parametrize("sq,skv,d,dv,hq,hkv,dtype,causal", every_other(_default_shape_cases()))
 def test_shapes(sq, skv, d, dv, hq, hkv, dtype, causal):
     q, k, v, opts = build(sq * 7 + skv, (1,), sq, skv, hq, hkv, d, dv, dtype, dict(causal=causal))
     check_parity(q, k, v, opts)
