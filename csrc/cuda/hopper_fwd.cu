@@ -50,9 +50,10 @@ cudaError_t Launch(const FwdParams& p, cudaStream_t stream) {
 // tools/gpu_dev/fwd_ab.py; docs/performance.md, 2026-11-27 seventh session):
 // - head dims 64 and 128: 128 keys, two Q buffers (64: 192 keys measured 0.88-1.05x);
 // - head dim 256: 64 keys, one Q buffer (a second does not fit); FlashAttention-3's 80 keys
-//   measured 0.71-0.78x (ptxas spills there: 224 bytes against 184 at 64). At 128 keys and
-//   head dim 128, 160 keys (two Q buffers) measured 0.70-0.86x, 176 (one) 0.61-0.75x, both
-//   spilling beside S, P and O in the 240 registers of a consumer thread.
+//   measured 0.67-0.78x (ptxas spills there: 224 bytes against 184 at 64).
+// Against the 128 keys at head dim 128: 160 keys (two Q buffers) measured 0.69-0.86x, FA3's
+// 176 (one) 0.61-0.72x, both spilling beside S, P and O in a consumer thread's 240 registers.
+// `_flash_hopper.CUDA_FORWARD_KEYS` repeats these key blocks for the tile lists' cost model.
 template <class T>
 cudaError_t LaunchFor(const FwdParams& p, int dim, cudaStream_t stream) {
   if (dim == 64) return Launch<FwdTraits<T, 64, 128, 2>>(p, stream);

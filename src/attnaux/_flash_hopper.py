@@ -1074,6 +1074,8 @@ def _row_stats(out, lse, dout, dlse):
 CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd"
 CUDA_FORWARD_TARGET = "attnaux_hopper_fwd"
 CUDA_FORWARD_ROWS = 128  # the CUDA forward's query rows a tile (FwdTraits::kBlockM)
+# its keys a step by head dim (csrc/cuda/hopper_fwd.cu, LaunchFor): the tile lists' cost model
+CUDA_FORWARD_KEYS = {64: 128, 128: 128, 256: 64}
 
 
 def _cuda_forward_serves(q, config: Config, *, softcap, geometry: Geometry, tile_fn, tables,
@@ -1108,10 +1110,10 @@ def _geometry_attrs(geometry: Geometry) -> dict:
 
 def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
     """`forward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_fwd.cu):
-    persistent CTAs taking tiles of 128 query rows of a head, key blocks of 128 (64 at head dim
-    256). Keys past
-    `geometry.kv_len` are masked; V's rows there are zeroed first when there are any, as a
-    masked key's P of 0 still meets its V row in the tensor cores (0 * NaN is NaN)."""
+    persistent CTAs taking lists of tiles of 128 query rows of a head (`_cuda_forward_schedule`),
+    key blocks of `CUDA_FORWARD_KEYS[head dim]`. Keys past `geometry.kv_len` are masked; V's rows
+    there are zeroed first when there are any, as a masked key's P of 0 still meets its V row in
+    the tensor cores (0 * NaN is NaN)."""
     import numpy as np
 
     kv_seq = k.shape[1]
@@ -1124,7 +1126,7 @@ def _cuda_forward(q, k, v, *, scale: float, geometry: Geometry):
     attrs = _geometry_attrs(geometry)
     grid = max(1, min(_sm_count(), bsz * q_heads * (q_seq // CUDA_FORWARD_ROWS)))
     schedule = _cuda_forward_schedule(
-        bsz * q_heads, q_seq // CUDA_FORWARD_ROWS, 64 if dim == 256 else 128, k.shape[1],
+        bsz * q_heads, q_seq // CUDA_FORWARD_ROWS, CUDA_FORWARD_KEYS[dim], k.shape[1],
         tuple(int(attrs[n]) for n in ("q_len", "kv_len", "offset", "has_upper", "upper",
                                       "has_lower", "lower")), grid)
     stats = jax.ShapeDtypeStruct((bsz, q_heads, q_seq), jnp.float32)
@@ -1162,7 +1164,9 @@ def _cuda_forward_schedule(heads: int, m_blocks: int, block_kv: int, kv_seq: int
     and pipeline fill): the list scheduling that a dynamic tile counter does, fixed at trace
     time. Against the zigzag rounds of equal tiles a CTA, the most work a CTA falls from 1.27
     to 1.08x the mean at 4 x 2048 x 16 heads causal, 1.23 -> 1.01 at 2 x 4096, 1.12 -> 1.03 at
-    8 x 1024 (the cost model's figures)."""
+    8 x 1024 (the cost model's figures); measured (H100, bf16, forward, `tools/gpu_dev/
+    fwd_ab.py`), causal at 4 x 2048 x 16 x 128: 402 -> 467 TFLOP/s, 0.85 -> 0.98x the Pallas
+    forward (docs/performance.md, 2026-11-27 seventh session)."""
     import heapq
 
     import numpy as np
