@@ -20,6 +20,7 @@ from conftest import (
     DTYPES,
     assert_close,
     dtype_id,
+    every_other,
     loss_weights,
     make_inputs,
     make_options,
@@ -151,7 +152,7 @@ def _options(seed, shape, spec):
     return make_options(seed, b, sq, skv, hq, **spec)
 
 
-@pytest.mark.parametrize("case", list(PROBS_OPTIONS))
+@pytest.mark.parametrize("case", every_other(list(PROBS_OPTIONS), single=True))
 def test_probs_parity_float32(case):
     q, k, v = make_inputs(1, *PROBS_SHAPE, jnp.float32)
     check_parity("probs", q, k, v, 1, **_options(2, PROBS_SHAPE, PROBS_OPTIONS[case]))
@@ -243,7 +244,7 @@ SMALL_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("case", list(SMALL_OPTIONS))
+@pytest.mark.parametrize("case", every_other(list(SMALL_OPTIONS), single=True))
 def test_small_seq_options(case):
     q, k, v, options = _small_case(16 if case != "segments" else 13, (4, 2), 64, jnp.float32, 30,
                                    **SMALL_OPTIONS[case])
