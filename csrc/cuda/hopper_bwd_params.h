@@ -29,4 +29,5 @@ struct BwdParams : HopperGeometry {
   void* dk;
   void* dv;
 };
+
 }  // namespace attnaux_hopper

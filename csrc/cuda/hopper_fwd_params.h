@@ -13,6 +13,7 @@
 
 namespace attnaux_hopper {
 
+// The geometry (HopperGeometry: sizes, scale, which pairs are visible) as the backward's.
 struct FwdParams : HopperGeometry {
   const void* q;
   const void* k;
@@ -26,4 +27,5 @@ struct FwdParams : HopperGeometry {
   const int* schedule;
   int grid, schedule_tiles;
 };
+
 }  // namespace attnaux_hopper
