@@ -1087,7 +1087,7 @@ def _cuda_forward_serves(q, config: Config, *, softcap, geometry: Geometry, tile
 
     return (config.cuda_forward and softcap is None and tile_fn is None and tables is None
             and not dropout and not geometry.packed and q.shape[3] in (64, 128, 256)
-            and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] % 128 == 0
+            and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] % CUDA_FORWARD_ROWS == 0
             and has_target(CUDA_FORWARD_TARGET, "cuda"))
 
 
@@ -1189,16 +1189,13 @@ def _cuda_forward_schedule(heads: int, m_blocks: int, block_kv: int, kv_seq: int
              + m_order[:, None]).reshape(-1) for g in range(0, heads, group)])
     else:
         order = (np.arange(heads)[:, None] * m_blocks + m_order[None, :]).reshape(-1)
+    # (with equal work a tile, ties going to the lowest CTA make this the round robin)
     lists = [[] for _ in range(grid)]
-    if np.all(cost == cost[0]):  # equal work a tile: the list scheduling is the round robin
-        for i, t in enumerate(order):
-            lists[i % grid].append(t)
-    else:
-        load = [(0, c) for c in range(grid)]
-        for t in order:
-            work, c = heapq.heappop(load)
-            lists[c].append(t)
-            heapq.heappush(load, (work + int(cost[t % m_blocks]), c))
+    load = [(0, c) for c in range(grid)]
+    for t in order:
+        work, c = heapq.heappop(load)
+        lists[c].append(t)
+        heapq.heappush(load, (work + int(cost[t % m_blocks]), c))
     offsets = np.cumsum([0] + [len(x) for x in lists])
     return np.concatenate([offsets, np.concatenate([np.asarray(x, np.int64) for x in lists])
                            ]).astype(np.int32)
