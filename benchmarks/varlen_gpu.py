@@ -9,8 +9,10 @@ Side by side in one run, for each (tokens, documents), causal, forward and forwa
 rows marked `varied`, lengths drawn from [0.25, 1.75] x the mean (fixed seed) with `max_seqlen`
 their longest:
 
-- `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged
-  layout; out + lse + max);
+- `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash` on a Hopper GPU:
+  attnaux's CUDA forward over the packed tokens, cuDNN's ragged backward; out + lse + max);
+- `varlen ragged`: the same call with `_dispatch.GPU_VARLEN_CUDA_FORWARD` off (cuDNN's ragged
+  layout both ways);
 - `varlen hopper`: the same call with `_dispatch.GPU_VARLEN_PREFERS_HOPPER` on (attnaux's own
   kernels, `_hopper_packed`: one packed row, visiting ranges per tile);
 - `varlen+lse`: `varlen` with a loss on `aux.lse` too (forward+backward only);
@@ -87,7 +89,8 @@ def _candidates(tokens, docs, varied=False):
                                      kv_segment_ids=ids, backend="flash")
         return out[0], aux.lse
 
-    fns = {"varlen": varlen, "varlen hopper": varlen, "segments": segments}
+    fns = {"varlen": varlen, "varlen ragged": varlen, "varlen hopper": varlen,
+           "segments": segments}
     if not varied:
         fns["batched"] = batched
     if dew_flash_attn is not None:
@@ -97,8 +100,11 @@ def _candidates(tokens, docs, varied=False):
     return fns
 
 
-COLUMNS = ["varlen", "varlen hopper", "varlen+lse", "batched", "segments", "fa3 varlen"]
-FLAGS = {"varlen hopper": {"GPU_VARLEN_PREFERS_HOPPER": True}}
+COLUMNS = ["varlen", "varlen ragged", "varlen hopper", "varlen+lse", "batched", "segments",
+           "fa3 varlen"]
+RATIOS = ("varlen", "varlen ragged", "varlen hopper")
+FLAGS = {"varlen hopper": {"GPU_VARLEN_PREFERS_HOPPER": True},
+         "varlen ragged": {"GPU_VARLEN_CUDA_FORWARD": False}}
 
 
 def _compiled(jitted, args, name=None):
@@ -201,8 +207,9 @@ def main():
         return
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"FA3: {'yes' if dew_flash_attn is not None else 'not installed'}")
-    print("| tokens | docs | pass | " + " | ".join(COLUMNS) + " | fa3 / varlen | fa3 / hopper |")
-    print("|---" * (len(COLUMNS) + 5) + "|")
+    print("| tokens | docs | pass | " + " | ".join(COLUMNS) + " | "
+          + " | ".join(f"fa3 / {n.split()[-1]}" for n in RATIOS) + " |")
+    print("|---" * (len(COLUMNS) + 3 + len(RATIOS)) + "|")
     shapes = [(t, d, False) for t, d in SHAPES] + [(t, d, True) for t, d in VARIED]
     for tokens, docs, varied in shapes[:1] if args.quick else shapes:
         key = jax.random.key(0)
@@ -217,7 +224,7 @@ def main():
         for name, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             cells = [f"{times[n] * 1e3:.3f}" if n in times else "-" for n in COLUMNS]
             ratios = [f"{times['fa3 varlen'] / times[n]:.2f}x" if "fa3 varlen" in times else "-"
-                      for n in ("varlen", "varlen hopper")]
+                      for n in RATIOS]
             label = f"{docs} varied" if varied else f"{docs}"
             print(f"| {tokens} | {label} | {name} | " + " | ".join(cells + ratios) + " |")
     print("(ms, median of rounds; fa3 / x = FA3 time / x's time: > 1 means x is faster)")

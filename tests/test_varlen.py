@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attnaux as ax
-from attnaux import _dispatch, introspect
+from attnaux import _dispatch, _ffi, _hopper_packed, introspect
 
 GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU (cuDNN's packed layout)")
@@ -248,18 +248,22 @@ GPU_KV_LENS = (130, 5, 1, 257, 64, 0)
 ON_HOPPER = GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-@pytest.fixture(params=["hopper", "ragged"])
+@pytest.fixture(params=["hopper", "ragged", "cuda"])
 def packed_path(request):
-    """The way GPU `flash` reads packed tokens: attnaux's Hopper kernels or cuDNN's ragged
-    layout (`_dispatch.GPU_VARLEN_PREFERS_HOPPER`, read at trace time: JAX's caches are cleared
-    around the change)."""
-    if request.param == "hopper" and not ON_HOPPER:
+    """The way GPU `flash` reads packed tokens: attnaux's Hopper kernels (Pallas), cuDNN's
+    ragged layout, or attnaux's CUDA forward with cuDNN's ragged backward
+    (`_dispatch.GPU_VARLEN_PREFERS_HOPPER` and `GPU_VARLEN_CUDA_FORWARD`, read at trace time:
+    JAX's caches are cleared around the change). Yields what `explain(...).packed` says."""
+    if request.param != "ragged" and not ON_HOPPER:
         pytest.skip("needs a Hopper GPU")
-    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER
+    if request.param == "cuda" and not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
+        pytest.skip("this build has no CUDA C++ Hopper kernels")
+    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD
     _dispatch.GPU_VARLEN_PREFERS_HOPPER = request.param == "hopper"
+    _dispatch.GPU_VARLEN_CUDA_FORWARD = request.param == "cuda"
     jax.clear_caches()
-    yield "Hopper" if request.param == "hopper" else "ragged"
-    _dispatch.GPU_VARLEN_PREFERS_HOPPER = saved
+    yield {"hopper": "Hopper", "ragged": "ragged", "cuda": "CUDA C++"}[request.param]
+    _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD = saved
     jax.clear_caches()
 
 
@@ -276,7 +280,9 @@ def test_gpu_ragged_parity(options, heads, packed_path):
     cu_q, cu_kv = _cu(GPU_Q_LENS), _cu(GPU_KV_LENS)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
                 backend="flash", **options)
-    assert packed_path in ax.explain(q, k, v, **args).packed
+    # (softcap: not on the CUDA forward, so cuDNN's ragged layout serves it)
+    served = "ragged" if packed_path == "CUDA C++" and "softcap" in options else packed_path
+    assert served in ax.explain(q, k, v, **args).packed
     fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
     out, aux = fn(q, k, v)
     clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
@@ -295,6 +301,74 @@ def test_gpu_ragged_parity(options, heads, packed_path):
         np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
     assert not np.asarray(got[0][nq:], np.float32).any()
     assert not np.asarray(got[1][nk:], np.float32).any()
+
+
+@gpu_only
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal="bottom_right"),
+                                     dict(causal=True, window=(200, 0))], ids=str)
+def test_gpu_cuda_forward_long_sequences(dim, options):
+    """attnaux's CUDA forward over packed tokens at head dims 128 and 256: sequences of several
+    128-row blocks and key blocks, lengths that end inside a block, empty ones, queries and keys
+    of different lengths, GQA; NaN in the padding tokens never reaches a row."""
+    if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
+        pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
+    q_lens, kv_lens = (700, 1, 0, 385, 129, 64), (700, 300, 6, 513, 129, 0)
+    q, k, v = _arrays(q_lens, kv_lens, heads=(8, 2), dims=(dim, dim), extra=(11, 70),
+                      dtype=jnp.bfloat16)
+    nq, nk = sum(q_lens), sum(kv_lens)
+    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
+    cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=700, max_seqlen_kv=700,
+                backend="flash", **options)
+    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD
+    _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD = False, True
+    jax.clear_caches()
+    try:
+        assert "CUDA C++" in ax.explain(q, k, v, **args).packed
+        fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
+        out, aux = jax.jit(fn)(q, k, v)
+        clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
+        want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, **options)
+        _compare(out, aux, want_out, want_lse, 2e-2)
+
+        def ref(q, k, v):
+            out, lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
+            return out, ax.AttnAux(lse=lse, max=lse)
+
+        got = jax.jit(jax.grad(_loss_fn(fn), argnums=(0, 1, 2)))(q, k, v)
+        want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
+        for g, w in zip(got, want):
+            g = np.asarray(g, np.float32)
+            assert np.isfinite(g).all()
+            np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
+    finally:
+        _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD = saved
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("q_lens", [(300, 0, 1, 128, 129), (5,), (0, 0), (1000, 2000, 1),
+                                    tuple(range(0, 3000, 97)),
+                                    tuple((i * 37) % 300 for i in range(1100))])  # argsort
+def test_cuda_forward_block_table(q_lens):
+    """The CUDA forward's query blocks (`_hopper_packed._cuda_blocks`, built on any device):
+    every 128-row block of every sequence once, the sequences with the most blocks first (ties
+    in their order), each sequence's last block first, with its sequence's offsets and
+    lengths; -1 after the last block, within the static bound."""
+    q_lens = np.asarray(q_lens, np.int32)
+    kv_lens = q_lens[::-1].copy()
+    cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
+    total = int(cu_q[-1]) + 3
+    table = np.asarray(_hopper_packed._cuda_blocks(
+        jnp.asarray(q_lens), jnp.asarray(kv_lens), jnp.asarray(cu_q), jnp.asarray(cu_kv),
+        max(int(q_lens.max()), 1), total))
+    blocks = -(-q_lens // 128)
+    order = sorted(range(len(q_lens)), key=lambda i: -blocks[i])  # most blocks first, stable
+    want = [(m, cu_q[i], q_lens[i], cu_kv[i], kv_lens[i])
+            for i in order for m in reversed(range(blocks[i]))]
+    assert table.shape[0] == 5 and table.shape[1] >= len(want)
+    np.testing.assert_array_equal(table[:, :len(want)].T, np.asarray(want).reshape(-1, 5))
+    assert (table[0, len(want):] == -1).all()
 
 
 @gpu_only

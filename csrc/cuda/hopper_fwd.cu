@@ -32,35 +32,6 @@ using attnaux::SameDims;
 
 constexpr const char* kTarget = "attnaux_hopper_fwd";
 
-template <class Traits>
-cudaError_t Launch(const FwdParams& p, cudaStream_t stream) {
-  auto kernel = HopperFwdKernel<Traits>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Traits::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  // the TMA descriptors of this call's tensors, passed as a __grid_constant__ parameter
-  const FwdKernelParams<Traits> params = MakeFwdKernelParams<Traits>(p);
-  // persistent: the schedule's CTAs (about one an SM), each taking its list of tiles
-  kernel<<<dim3(p.grid), Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
-}
-
-// The kernel of each head dim (FwdTraits: keys a step, tiles' Q in shared memory), from
-// FlashAttention-3's tiles and what was measured (H100, bf16, forward alone,
-// tools/gpu_dev/fwd_ab.py; docs/performance.md, 2026-11-27 seventh session):
-// - head dims 64 and 128: 128 keys, two Q buffers (64: 192 keys measured 0.88-1.05x);
-// - head dim 256: 64 keys, one Q buffer (a second does not fit); FlashAttention-3's 80 keys
-//   measured 0.67-0.78x (ptxas spills there: 224 bytes against 184 at 64).
-// Against the 128 keys at head dim 128: 160 keys (two Q buffers) measured 0.69-0.86x, FA3's
-// 176 (one) 0.61-0.72x, both spilling beside S, P and O in a consumer thread's 240 registers.
-// `_flash_hopper.CUDA_FORWARD_KEYS` repeats these key blocks for the tile lists' cost model.
-template <class T>
-cudaError_t LaunchFor(const FwdParams& p, int dim, cudaStream_t stream) {
-  if (dim == 64) return Launch<FwdTraits<T, 64, 128, 2>>(p, stream);
-  if (dim == 128) return Launch<FwdTraits<T, 128, 128, 2>>(p, stream);
-  return Launch<FwdTraits<T, 256, 64, 1>>(p, stream);
-}
-
 ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> schedule, int64_t grid,
                          float scale, int64_t q_len, int64_t kv_len,
@@ -137,8 +108,8 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (bsz == 0 || q_seq == 0 || q_heads == 0) return ffi::Error::Success();
   cudaError_t launch =
       dtype == ffi::BF16
-          ? LaunchFor<cutlass::bfloat16_t>(p, int(dim), stream)
-          : LaunchFor<cutlass::half_t>(p, int(dim), stream);
+          ? LaunchFwd<cutlass::bfloat16_t, false>(p, int(dim), stream)
+          : LaunchFwd<cutlass::half_t, false>(p, int(dim), stream);
   return CudaResult(kTarget, launch);
 }
 

@@ -111,6 +111,11 @@ __device__ __forceinline__ void StoreShared32(const void* smem, uint32_t value) 
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ void StoreShared128Zero(const void* smem) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
+}
+
 __device__ __forceinline__ uint4 LoadShared128(const void* smem) {
   const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   uint4 v;

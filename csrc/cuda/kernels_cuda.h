@@ -20,4 +20,5 @@ extern "C" XLA_FFI_Error* AttnauxFoldLseCuda(XLA_FFI_CallFrame* call_frame);
 // cuda/hopper_fwd.cu, cuda/hopper_bwd.cu: attnaux's own Hopper attention forward and backward
 // (CuTe; built with the CUTLASS headers only, ATTNAUX_HOPPER_CUDA).
 extern "C" XLA_FFI_Error* AttnauxHopperFwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxHopperFwdPackedCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxHopperBwdCuda(XLA_FFI_CallFrame* call_frame);

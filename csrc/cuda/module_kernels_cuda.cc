@@ -29,6 +29,8 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_fold_lse"] = attnaux::HandlerCapsule(AttnauxFoldLseCuda);
 #if ATTNAUX_HOPPER_CUDA
         handlers["attnaux_hopper_fwd"] = attnaux::HandlerCapsule(AttnauxHopperFwdCuda);
+        handlers["attnaux_hopper_fwd_packed"] =
+            attnaux::HandlerCapsule(AttnauxHopperFwdPackedCuda);
         handlers["attnaux_hopper_bwd"] = attnaux::HandlerCapsule(AttnauxHopperBwdCuda);
 #endif
         return handlers;

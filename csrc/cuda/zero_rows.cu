@@ -17,19 +17,31 @@ namespace ffi = xla::ffi;
 namespace attnaux_cuda_kernels {
 namespace {
 
-// One block per row; a kept row costs one load of its flag. Rows are written in 16-byte words
-// where the row's byte count allows it (x's base is aligned by XLA), else bytewise.
+// A block per kRowsPerBlock rows, a thread reading each row's flag; a block whose rows are all
+// kept returns at once (one block per row took 12.5 us on an H100 for 16384 kept rows of 4 KiB,
+// its launches alone). The rows to zero are written by the whole block, in 16-byte words where
+// the row's byte count allows it (x's base is aligned by XLA), else bytewise.
+constexpr int kRowsPerBlock = 128;  // also the block's threads
+
 __global__ void ZeroRowsKernel(uint8_t* x, const bool* keep, int64_t rows, int64_t row_bytes) {
-  const int64_t row = blockIdx.x + static_cast<int64_t>(blockIdx.y) * gridDim.x;
-  if (row >= rows || keep[row]) return;
-  uint8_t* base = x + row * row_bytes;
-  if (row_bytes % 16 == 0) {
-    auto* words = reinterpret_cast<uint4*>(base);
-    for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) {
-      words[i] = uint4{0, 0, 0, 0};
+  __shared__ bool zero_row[kRowsPerBlock];
+  const int64_t first =
+      (blockIdx.x + static_cast<int64_t>(blockIdx.y) * gridDim.x) * kRowsPerBlock;
+  const int64_t own = first + threadIdx.x;
+  const bool zero = own < rows && !keep[own];
+  zero_row[threadIdx.x] = zero;
+  if (!__syncthreads_or(zero)) return;  // (also orders the flags' stores before the reads)
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    if (!zero_row[r]) continue;
+    uint8_t* base = x + (first + r) * row_bytes;
+    if (row_bytes % 16 == 0) {
+      auto* words = reinterpret_cast<uint4*>(base);
+      for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) {
+        words[i] = uint4{0, 0, 0, 0};
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) base[i] = 0;
     }
-  } else {
-    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) base[i] = 0;
   }
 }
 
@@ -49,9 +61,10 @@ ffi::Error ZeroRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (rows == 0 || x.size_bytes() == 0) return ffi::Error::Success();
   const int64_t row_bytes = static_cast<int64_t>(x.size_bytes()) / rows;
   constexpr int64_t kMaxGridX = 65535;
-  const dim3 grid(static_cast<unsigned>(rows < kMaxGridX ? rows : kMaxGridX),
-                  static_cast<unsigned>((rows + kMaxGridX - 1) / kMaxGridX));
-  ZeroRowsKernel<<<grid, 128, 0, stream>>>(static_cast<uint8_t*>(y->untyped_data()),
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const dim3 grid(static_cast<unsigned>(blocks < kMaxGridX ? blocks : kMaxGridX),
+                  static_cast<unsigned>((blocks + kMaxGridX - 1) / kMaxGridX));
+  ZeroRowsKernel<<<grid, kRowsPerBlock, 0, stream>>>(static_cast<uint8_t*>(y->untyped_data()),
                                            keep.typed_data(), rows, row_bytes);
   return CudaResult(target, cudaGetLastError());
 }

@@ -75,6 +75,11 @@ layout. Off, by measurement (`benchmarks/varlen_gpu.py`, H100, causal, 16 heads 
 layout was 1.08-1.64x faster forward and 1.21-1.40x forward+backward (FA3 / ragged 0.72-0.84x
 forward, 0.81-0.87x forward+backward; FA3 / Hopper kernels 0.48-0.72x, 0.59-0.67x). The Hopper
 kernels serve what the ragged layout cannot."""
+GPU_VARLEN_CUDA_FORWARD = True
+"""Whether `varlen_attention` on GPU `flash`, where cuDNN's ragged layout serves it, runs the
+forward on attnaux's CUDA C++ Hopper kernel over the packed tokens (`_hopper_packed.
+cuda_forward`: a tile counter hands out (sequence, 128-row block, head) tiles, each visiting
+only its sequence's key blocks) and differentiates it with cuDNN's ragged backward."""
 FLASH_HOPPER_FORWARD = Implementation(  # `_flash_cudnn` with the Hopper kernel's forward
     types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
                           run=functools.partial(_flash_cudnn.run,

@@ -139,7 +139,9 @@ class Config(NamedTuple):
     fold_lse: bool = True  # backward: `FOLD_LSE_COTANGENT` when the call was traced
     fold_kernel: bool = False  # the fold through `attnaux_fold_lse` (`FOLD_WITH_KERNEL`, built)
     # a kernel run in cuDNN's forward's place, `(cfg, q, k, v) -> (out, lse, max)`, its lse the
-    # backward's stats (`_dispatch.FLASH_HOPPER_FORWARD`: attnaux's Hopper kernel); None: cuDNN
+    # backward's stats (`_dispatch.FLASH_HOPPER_FORWARD`: attnaux's Hopper kernel); with
+    # `ragged`, `(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep) -> (out,
+    # lse, max)` per sequence (`_hopper_packed.cuda_forward`); None: cuDNN
     forward_kernel: Callable | None = None
 
 
@@ -824,7 +826,21 @@ def _ragged_ops(cfg: Config) -> tuple[KernelOp, KernelOp]:
 
 def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_offsets,
                 kv_offsets, q_keep, kv_keep):
-    del differentiating
+    args = (q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep)
+    if cfg.forward_kernel is not None:
+        # attnaux's CUDA forward over the packed tokens (`_hopper_packed.cuda_forward`): out,
+        # and lse and max per token `[1, Hq, Tq]` (-inf for a row that sees no key; the
+        # caller hides the tokens that no sequence covers); cuDNN's backward takes the lse per
+        # sequence as its stats, gathered only when differentiating
+        out, lse, row_max = cfg.forward_kernel(cfg, q, k, v, q_len, kv_len, q_offsets,
+                                               kv_offsets, q_keep, kv_keep)
+        stats = None
+        if differentiating:
+            rows = q_offsets[:-1, None] + jnp.arange(cfg.max_seqlen_q, dtype=jnp.int32)[None, :]
+            rows = jnp.clip(rows, 0, q.shape[1] - 1)  # [n, max_q]; past a sequence: not read
+            stats = jnp.moveaxis(lse[0][:, rows], 0, 1)
+            stats = jnp.where(stats == -jnp.inf, jnp.inf, stats)  # P = 0: the row sees nothing
+        return (out, lse, row_max), (args, out, stats)
     r = _ragged_ops(cfg)[0](q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
                             kv_offsets=kv_offsets, q_keep=q_keep)
     out, sum_exp, row_max = r["out"], r["stats"], r["max"]
@@ -833,7 +849,6 @@ def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_of
     stats = jnp.where(seen, lse, jnp.inf)  # recomputed P = 0 for rows that see nothing
     lse = jnp.where(seen, lse, -jnp.inf)
     row_max = jnp.where(seen, row_max, -jnp.inf)
-    args = (q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep)
     return (out, lse, row_max), (args, out, stats)
 
 
@@ -881,11 +896,14 @@ def _ragged_bwd(cfg: Config, residuals, cotangents):
         return (*call(v, out, dout), *nones)
     no_out = cotangents[0] is None
     # The lse cotangent as `_core_bwd` carries it, per token: `dlse` of the token's row of its
-    # sequence (0 for padding tokens and rows that see no key).
-    seq, pos, _ = token_rows(q_offsets, q_len, q.shape[1])
-    pos = jnp.clip(pos, 0, cfg.max_seqlen_q - 1)
-    dlse = jnp.where(stats < jnp.inf, dlse.astype(jnp.float32), 0.0)
-    per_token = jnp.where(q_keep[:, None], dlse[seq, :, pos], 0.0)[None]  # [1, T, Hq]
+    # sequence (0 for padding tokens and rows that see no key: `q_keep` is False there).
+    if cfg.forward_kernel is not None:  # the lse came per token
+        per_token = jnp.where(q_keep[:, None], dlse[0].T.astype(jnp.float32), 0.0)[None]
+    else:
+        seq, pos, _ = token_rows(q_offsets, q_len, q.shape[1])
+        pos = jnp.clip(pos, 0, cfg.max_seqlen_q - 1)
+        dlse = jnp.where(stats < jnp.inf, dlse.astype(jnp.float32), 0.0)
+        per_token = jnp.where(q_keep[:, None], dlse[seq, :, pos], 0.0)[None]  # [1, T, Hq]
     dout = jnp.where(q_keep[None, :, None, None], dout, 0)
 
     if no_out or not _folds(cfg, out.dtype):
@@ -934,13 +952,20 @@ def ragged_unavailable(options: Options, dtype, num_seqs: int, q_tokens: int, kv
 
 
 def ragged_attention_cuda(q, k, v, *, q_offsets, kv_offsets, q_len, kv_len, q_keep, kv_keep,
-                          options: Options, max_seqlen_q: int, max_seqlen_kv: int):
+                          options: Options, max_seqlen_q: int, max_seqlen_kv: int,
+                          forward_kernel: Callable | None = None):
     """`(out [Tq, Hq, Dv], lse, max)` of packed sequences through cuDNN's ragged layout, the
-    statistics per sequence `[num_seqs, Hq, max_seqlen_q]` (`ragged_unavailable` is None; no
-    sink: the caller adds it). `*_offsets`: int32 `[n + 1]` token offsets, non-decreasing,
+    statistics per sequence `[num_seqs, Hq, max_seqlen_q]` (with `forward_kernel`: per token
+    `[Hq, Tq]`, the tokens that no sequence covers left to the caller to hide)
+    (`ragged_unavailable` is None; no sink: the caller adds it). `*_offsets`: int32 `[n + 1]` token offsets, non-decreasing,
     within the tokens; `*_len`: int32 `[n]`, each at most its span and `max_seqlen_*`;
-    `q_keep`/`kv_keep`: bool per token, covered by a sequence (and, for queries, seeing a key)."""
-    cfg = ragged_config(options, max_seqlen_q, max_seqlen_kv)
+    `q_keep`/`kv_keep`: bool per token, covered by a sequence (and, for queries, seeing a key).
+    `forward_kernel`: runs in cuDNN's forward's place (`_hopper_packed.cuda_forward`), cuDNN's
+    backward differentiating it; None: cuDNN's forward."""
+    cfg = ragged_config(options, max_seqlen_q, max_seqlen_kv)._replace(
+        forward_kernel=forward_kernel)
     out, lse, row_max = _ragged_core(cfg, q[None], k[None], v[None], q_len, kv_len, q_offsets,
                                      kv_offsets, q_keep, kv_keep)
+    if forward_kernel is not None:
+        return out[0], lse[0], row_max[0]
     return out[0], lse, row_max

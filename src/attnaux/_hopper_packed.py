@@ -38,6 +38,8 @@ from ._kernel_call import add_sink
 from ._masking import diagonal_shift
 from ._partition import (
     BATCH,
+    HEADS,
+    KV_HEADS,
     block_state,
     folded,
     partitioned,
@@ -425,3 +427,140 @@ def varlen(q, k, v, q_seq_of, q_pos, q_covered, kv_seq_of, kv_pos, kv_covered, q
     if sink is not None:
         out, lse = add_sink(out, lse, sink)
     return out[0], lse[0], mx[0]
+
+
+# ---- the CUDA C++ forward over packed sequences (csrc/cuda/hopper_fwd_packed.cu)
+CUDA_FORWARD_TARGET = "attnaux_hopper_fwd_packed"
+CUDA_FORWARD_HEAD_DIMS = (64, 128, 256)
+_CUDA_LAYOUTS = {
+    "q": ("one", "q_tokens", HEADS, "qk_dim"), "k": ("one", "kv_tokens", KV_HEADS, "qk_dim"),
+    "v": ("one", "kv_tokens", KV_HEADS, "v_dim"), "out": ("one", "q_tokens", HEADS, "v_dim"),
+    "lse": ("one", HEADS, "q_tokens"), "max": ("one", HEADS, "q_tokens"),
+    "q_len": ("seqs",), "kv_len": ("seqs",), "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
+}
+
+
+def cuda_forward_unavailable(q, k, v, options: Options) -> str | None:
+    """Why `varlen_attention`'s forward cannot run on attnaux's CUDA C++ kernel over the packed
+    tokens (`cuda_forward`; None: it can). `q`, `k`, `v`: `[tokens, heads, dim]`."""
+    from ._ffi import has_target
+
+    if not has_target(CUDA_FORWARD_TARGET, "gpu"):
+        return "this build of attnaux has no CUDA C++ Hopper kernels (built without CUTLASS)"
+    devices = jax.devices()
+    capability = str(getattr(devices[0], "compute_capability", "")) if devices else ""
+    if not capability.startswith("9."):
+        return f"the CUDA C++ kernels need a Hopper GPU (compute capability 9.x), not {capability!r}"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"it takes bfloat16 or float16 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.shape[-1] not in CUDA_FORWARD_HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return (f"it takes head dims {CUDA_FORWARD_HEAD_DIMS}, equal for q/k and v (got "
+                f"{q.shape[-1]} and {v.shape[-1]})")
+    if options.softcap is not None and options.softcap > 0:
+        return "it applies no softcap"
+    if options.dropout_rate > 0:
+        return "it draws no dropout"
+    if max(q.shape[0], k.shape[0]) >= _MAX_TOKENS:
+        return f"sequences of {_MAX_TOKENS} tokens or more"
+    return None
+
+
+def _cuda_blocks(q_len, kv_len, q_offsets, kv_offsets, max_seqlen_q: int, total_q: int):
+    """int32 `[5, P]`, the CUDA forward's query blocks of 128 rows (`FwdParams::blocks`): per
+    block its index in its sequence (-1 after the last block), the sequence's first query token,
+    query tokens, first key token and keys. The longest sequences first (ties in their order),
+    each sequence's blocks together, its last block first: under a causal mask the heaviest
+    tiles come first and the tile counter hands the light ones out at the end, with the tiles
+    at work on a few sequences' K and V at a time. `P` bounds the blocks: at most one a
+    sequence more than the whole blocks of its tokens."""
+    rows = hopper.CUDA_FORWARD_ROWS
+    n = q_len.shape[0]
+    most = -(-max_seqlen_q // rows)
+    bound = max(1, min(n * most, total_q // rows + n))
+    if n == 0:
+        return jnp.full((5, bound), -1, jnp.int32)
+    blocks = (q_len + rows - 1) // rows  # [n]
+    # the sequences by their blocks, most first (comparisons for up to 1024 sequences: a fused
+    # pass each, where XLA's sort is a kernel of its own)
+    if n <= 1024:
+        s = jnp.arange(n, dtype=jnp.int32)
+        before = (blocks[None, :] > blocks[:, None]) | (
+            (blocks[None, :] == blocks[:, None]) & (s[None, :] < s[:, None]))
+        rank = jnp.sum(before, axis=1, dtype=jnp.int32)  # [n], a permutation
+        order = jnp.sum(jnp.where(rank[None, :] == s[:, None], s[None, :], 0), axis=1,
+                        dtype=jnp.int32)
+    else:
+        order = jnp.argsort(-blocks, stable=True).astype(jnp.int32)
+    blocks = blocks[order]
+    ends = jnp.cumsum(blocks)  # block g belongs to the first sequence whose end is past g
+    g = jnp.arange(bound, dtype=jnp.int32)
+    # (counting by comparison is one fusion, as `_flash_cudnn.token_rows`; a nonzero's scatter
+    # and running sum were four, ~10 us of small kernels on an H100)
+    if bound * n <= 1 << 24:
+        seq = jnp.sum(ends[None, :] <= g[:, None], axis=1, dtype=jnp.int32)
+    else:
+        seq = jnp.searchsorted(ends, g, side="right", method="sort").astype(jnp.int32)
+    at = jnp.minimum(seq, n - 1)
+    m_block = jnp.where(g < ends[-1], ends[at] - 1 - g, -1)  # the sequence's last block first
+    at = order[at]
+    return jnp.stack([m_block, q_offsets[at], q_len[at], kv_offsets[at], kv_len[at]]).astype(
+        jnp.int32)
+
+
+def cuda_forward(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep):
+    """`(out [1, Tq, Hq, D], lse, max)` of packed sequences on attnaux's CUDA C++ Hopper forward
+    (`cuda_forward_unavailable` is None), the statistics per token `[1, Hq, Tq]` (cuDNN's
+    ragged backward differentiates this: `_flash_cudnn`'s `Config.forward_kernel` with
+    `ragged`). `cfg`: the GPU flash backend's
+    `Config` (scale, causal, window, max_seqlen_*); the other operands as
+    `_flash_cudnn.ragged_attention_cuda`'s, with a leading 1 on q, k and v. Rows that no
+    sequence covers come out 0 (`q_keep`); their statistics are the caller's to hide."""
+    from ._flash_cudnn import _zero_rows
+
+    max_q = int(cfg.max_seqlen_q)
+    op = _cuda_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
+                  int(cfg.window_right), max_q, int(cfg.max_seqlen_kv))
+    # (the keys past a sequence's end in its last key block, the next sequence's or padding,
+    # have their V rows zeroed by the kernel, as 0 * NaN is NaN in the tensor cores: no
+    # `kv_keep` here)
+    del kv_keep
+    r = op(q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
+           kv_offsets=kv_offsets)
+    return _zero_rows(r["out"], q_keep), r["lse"], r["max"]
+
+
+@functools.cache
+def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
+             max_kv: int):
+    from ._kernel_call import SHARED, KernelOp
+
+    import numpy as np
+
+    window = None
+    if window_left >= 0 or window_right >= 0:
+        unbounded = max_q + max_kv
+        window = (window_left if window_left >= 0 else unbounded,
+                  window_right if window_right >= 0 else unbounded)
+    # (the visibility attributes as the dense forward's; the offsets are each sequence's)
+    geometry = hopper.Geometry(causal != 0, window, 0, max_kv, max_q)
+    attrs = hopper._geometry_attrs(geometry)
+    attrs = {name: attrs[name] for name in ("has_upper", "upper", "has_lower", "lower")}
+    attrs.update(scale=np.float32(scale), bottom_right=np.int32(causal == 2))
+
+    def shapes(ops):
+        q = ops["q"]
+        stats = jax.ShapeDtypeStruct((1, q.shape[2], q.shape[1]), jnp.float32)
+        return (jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats)
+
+    def kernel(q, k, v, q_len, kv_len, q_offsets, kv_offsets):
+        blocks = _cuda_blocks(q_len, kv_len, q_offsets, kv_offsets, max_q, q.shape[1])
+        grid = max(1, min(hopper._sm_count(), blocks.shape[1] * q.shape[2]))
+        out, lse, row_max, _ = jax.ffi.ffi_call(CUDA_FORWARD_TARGET, (
+            *shapes(dict(q=q)), jax.ShapeDtypeStruct((1,), jnp.int32)))(
+            q, k, v, blocks.astype(jnp.int32), grid=np.int64(grid), **attrs)
+        return out, lse, row_max
+
+    names = ("q", "k", "v", "q_len", "kv_len", "q_offsets", "kv_offsets")
+    return KernelOp(CUDA_FORWARD_TARGET, tuple((name, SHARED) for name in names),
+                    ("out", "lse", "max"), shapes, {}, kernel=kernel, sequential=True,
+                    layout=lambda name, shape: _CUDA_LAYOUTS[name])

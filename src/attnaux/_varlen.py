@@ -133,7 +133,8 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
           return_probs, backend):
     """`(problem, choice, mode, explanation, (q packing, kv packing))`: the padded problem, the
     dispatch's choice for it, how the packed tokens are served (`"hopper"`: in place on
-    attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"padded"`), and the
+    attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"cuda"`: attnaux's CUDA
+    forward over the packed tokens and cuDNN's packed backward; `"padded"`), and the
     explanation with that way (`packed`)."""
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
@@ -164,9 +165,17 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     elif ragged_no is None:
         mode = "ragged"
         how = "in place through cuDNN's ragged (THD) layout: nothing is padded"
-        if gpu_flash:
+        cuda_no = (_hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
+                   if _dispatch.GPU_VARLEN_CUDA_FORWARD else "GPU_VARLEN_CUDA_FORWARD is off")
+        if cuda_no is None:
+            mode = "cuda"
+            how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
+                   "only the tiles of each sequence), the backward through cuDNN's ragged "
+                   "(THD) layout; nothing is padded")
+        elif gpu_flash:
             how += (" (attnaux's Hopper kernels: " + (
-                hopper_no or "measured slower here, GPU_VARLEN_PREFERS_HOPPER") + ")")
+                hopper_no or "measured slower here, GPU_VARLEN_PREFERS_HOPPER") + "; its CUDA "
+                "forward: " + cuda_no + ")")
     else:
         mode = "padded"
         how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
@@ -200,7 +209,7 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             out, lse_t, max_t = _hopper_packed.varlen(
                 q, k, v, pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
                 pk.lengths, pk.offsets, options, sink)
-        elif mode == "ragged":
+        elif mode in ("ragged", "cuda"):
             vis = _flash_cudnn._visible_rows(
                 _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), pq.lengths,
                 pk.lengths, max_seqlen_q)
@@ -209,6 +218,7 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
                 q, k, v, q_offsets=pq.offsets, kv_offsets=pk.offsets, q_len=pq.lengths,
                 kv_len=pk.lengths, q_keep=q_keep, kv_keep=pk.covered, options=options,
                 max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                forward_kernel=_hopper_packed.cuda_forward if mode == "cuda" else None,
             )
         else:
             out_pad, lse_pad, max_pad, probs = choice.implementation.module.run(
@@ -216,11 +226,13 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             )
             out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
-        if mode != "hopper":
+        if mode == "cuda":  # (per token already)
+            lse_t, max_t = lse_pad, max_pad
+        elif mode != "hopper":
             lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
         lse = jnp.where(hidden, -jnp.inf, lse_t)
         row_max = jnp.where(hidden, -jnp.inf, max_t)
-        if mode == "ragged" and sink is not None:  # the other calls added it already
+        if mode in ("ragged", "cuda") and sink is not None:  # the other calls added it already
             out, lse_sink = add_sink(out[None], lse[None], sink)
             out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])
     aux = AttnAux(

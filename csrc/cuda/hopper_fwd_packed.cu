@@ -1,0 +1,138 @@
+// `attnaux_hopper_fwd_packed`: the XLA FFI handler of attnaux's own Hopper attention forward
+// (cuda/hopper_fwd_kernel.cuh) over packed sequences: q, k and v as one row of tokens each,
+// every sequence attending within itself (its own causal alignment and window), tiles that no
+// sequence's rows and keys share never visited. Called by `_flash_hopper.packed_forward`
+// (`varlen_attention`); hopper_fwd_params.h describes the operands.
+//
+// A file of its own so that the dense and packed kernels compile side by side. Built only for
+// sm_90a with the CUTLASS/CuTe headers (CMakeLists.txt).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/ffi_shapes.h"
+#include "cuda/ffi_utils.cuh"
+#include "cuda/hopper_fwd_kernel.cuh"
+#include "cuda/kernels_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace attnaux_hopper {
+namespace {
+
+using attnaux_cuda_kernels::AttnInvalid;
+using attnaux_cuda_kernels::CudaResult;
+using attnaux_cuda_kernels::RequireHopper;
+using Dims = attnaux::Dims;
+using attnaux::BracketShape;
+using attnaux::SameDims;
+
+constexpr const char* kTarget = "attnaux_hopper_fwd_packed";
+
+ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> blocks, int64_t grid, float scale,
+                               int32_t bottom_right, int32_t has_upper, int64_t upper,
+                               int32_t has_lower, int64_t lower,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                               ffi::Result<ffi::Buffer<ffi::F32>> row_max,
+                               ffi::Result<ffi::Buffer<ffi::S32>> counter) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[0] != 1 || kd[0] != 1) {
+    return AttnInvalid(kTarget, "q and k must be [1, tokens, heads, dim], got q " +
+                                    BracketShape(qd) + " and k " + BracketShape(kd) + ".");
+  }
+  const int64_t total_q = qd[1], q_heads = qd[2], dim = qd[3];
+  const int64_t total_kv = kd[1], kv_heads = kd[2];
+  if (kd[3] != dim || !SameDims(v.dimensions(), kd) || !SameDims(out->dimensions(), qd)) {
+    return AttnInvalid(kTarget, "expected k and v of one shape [1, total_kv, kv_heads, dim] "
+                                "with q's dim, and out of q's shape; got q " +
+                                    BracketShape(qd) + ", k " + BracketShape(kd) + ", v " +
+                                    BracketShape(v.dimensions()) + ", out " +
+                                    BracketShape(out->dimensions()) + ".");
+  }
+  const auto dtype = q.element_type();
+  if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
+      v.element_type() != dtype || out->element_type() != dtype) {
+    return AttnInvalid(kTarget, "q, k, v and out must share one dtype, bfloat16 or float16.");
+  }
+  if (dim != 64 && dim != 128 && dim != 256) {
+    return AttnInvalid(kTarget, "head dim must be 64, 128 or 256, got " + std::to_string(dim) +
+                                    ".");
+  }
+  if (kv_heads == 0 || q_heads % kv_heads != 0) {
+    return AttnInvalid(kTarget, "q_heads (" + std::to_string(q_heads) +
+                                    ") must be a multiple of kv_heads (" +
+                                    std::to_string(kv_heads) + ").");
+  }
+  const int64_t want_stats[3] = {1, q_heads, total_q};
+  if (!SameDims(lse->dimensions(), Dims(want_stats, 3)) ||
+      !SameDims(row_max->dimensions(), Dims(want_stats, 3))) {
+    return AttnInvalid(kTarget, "lse and max must be [1, q_heads, total_q] = " +
+                                    BracketShape(Dims(want_stats, 3)) + ", got " +
+                                    BracketShape(lse->dimensions()) + " and " +
+                                    BracketShape(row_max->dimensions()) + ".");
+  }
+  const auto bd = blocks.dimensions();
+  if (bd.size() != 2 || bd[0] != 5 || !SameDims(counter->dimensions(), {1})) {
+    return AttnInvalid(kTarget, "blocks must be int32 [5, blocks] and the counter int32 [1]; "
+                                "got blocks " + BracketShape(bd) + " and counter " +
+                                    BracketShape(counter->dimensions()) + ".");
+  }
+  if (q_heads > 65535 || total_q > (1 << 30) || total_kv > (1 << 30) ||
+      bd[1] * q_heads >= (int64_t(1) << 31) - 65536 || grid < 1 || grid > 65535) {
+    return AttnInvalid(kTarget, "q_heads must be at most 65535, the token counts at most 2^30, "
+                                "blocks x q_heads below 2^31 and grid (" + std::to_string(grid) +
+                                    ") in [1, 65535].");
+  }
+  if (ffi::Error hopper = RequireHopper(kTarget); hopper.failure()) return hopper;
+
+  FwdParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.max = row_max->typed_data();
+  // q_len and kv_len are each tile's sequence's (the kernel reads them from `blocks`)
+  SetGeometry(p, 1, total_q, total_kv, q_heads, kv_heads, scale, total_q, total_kv, 0,
+              has_upper, upper, has_lower, lower);
+  p.blocks = blocks.typed_data();
+  p.block_count = int(bd[1]);
+  p.bottom_right = bottom_right != 0;
+  p.tile_counter = counter->typed_data();
+  p.grid = int(grid);
+  if (total_q == 0 || q_heads == 0 || p.block_count == 0) {
+    return ffi::Error::Success();  // (the caller zeroes what no sequence covers)
+  }
+  cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+  if (err != cudaSuccess) return CudaResult(kTarget, err);
+  err = dtype == ffi::BF16 ? LaunchFwd<cutlass::bfloat16_t, true>(p, int(dim), stream)
+                           : LaunchFwd<cutlass::half_t, true>(p, int(dim), stream);
+  return CudaResult(kTarget, err);
+}
+
+}  // namespace
+}  // namespace attnaux_hopper
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperFwdPackedCuda, attnaux_hopper::HopperFwdPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()           // q [1, Tq, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()           // k [1, Tkv, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()           // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // blocks [5, blocks]
+                                  .Attr<int64_t>("grid")
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("bottom_right")
+                                  .Attr<int32_t>("has_upper")
+                                  .Attr<int64_t>("upper")
+                                  .Attr<int32_t>("has_lower")
+                                  .Attr<int64_t>("lower")
+                                  .Ret<ffi::AnyBuffer>()           // out [1, Tq, Hq, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // lse [1, Hq, Tq]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // max [1, Hq, Tq]
+                                  .Ret<ffi::Buffer<ffi::S32>>(),   // the tile counter [1]
+                              {ffi::Traits::kCmdBufferCompatible});
