@@ -9,8 +9,11 @@ Side by side in one run, for each (tokens, documents), causal, forward and forwa
 rows marked `varied`, lengths drawn from [0.25, 1.75] x the mean (fixed seed) with `max_seqlen`
 their longest:
 
-- `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash` on a Hopper GPU:
-  attnaux's CUDA forward over the packed tokens, cuDNN's ragged backward; out + lse + max);
+- `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged layout;
+  on a Hopper GPU from `max_seqlen_q` 2048 attnaux's CUDA forward over the packed tokens and
+  cuDNN's ragged backward; out + lse + max);
+- `varlen cuda`: the same call with the CUDA forward at every length
+  (`_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 0`);
 - `varlen ragged`: the same call with `_dispatch.GPU_VARLEN_CUDA_FORWARD` off (cuDNN's ragged
   layout both ways);
 - `varlen hopper`: the same call with `_dispatch.GPU_VARLEN_PREFERS_HOPPER` on (attnaux's own
@@ -89,8 +92,8 @@ def _candidates(tokens, docs, varied=False):
                                      kv_segment_ids=ids, backend="flash")
         return out[0], aux.lse
 
-    fns = {"varlen": varlen, "varlen ragged": varlen, "varlen hopper": varlen,
-           "segments": segments}
+    fns = {"varlen": varlen, "varlen cuda": varlen, "varlen ragged": varlen,
+           "varlen hopper": varlen, "segments": segments}
     if not varied:
         fns["batched"] = batched
     if dew_flash_attn is not None:
@@ -100,10 +103,11 @@ def _candidates(tokens, docs, varied=False):
     return fns
 
 
-COLUMNS = ["varlen", "varlen ragged", "varlen hopper", "varlen+lse", "batched", "segments",
-           "fa3 varlen"]
-RATIOS = ("varlen", "varlen ragged", "varlen hopper")
+COLUMNS = ["varlen", "varlen cuda", "varlen ragged", "varlen hopper", "varlen+lse", "batched",
+           "segments", "fa3 varlen"]
+RATIOS = ("varlen", "varlen cuda", "varlen ragged", "varlen hopper")
 FLAGS = {"varlen hopper": {"GPU_VARLEN_PREFERS_HOPPER": True},
+         "varlen cuda": {"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ": 0},
          "varlen ragged": {"GPU_VARLEN_CUDA_FORWARD": False}}
 
 

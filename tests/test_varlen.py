@@ -1,6 +1,9 @@
 """`attnaux.varlen_attention` and the cu_seqlens helpers: parity with the pure-JAX `reference`
 run on each sequence alone (float32, tolerance 2e-5 on CPU; bf16 on GPU, 2e-2), padding tokens,
-bad input, jit / grad / vmap. The GPU tests (cuDNN's ragged layout) skip without a GPU."""
+bad input, jit / grad / vmap. The GPU tests (cuDNN's ragged layout, attnaux's Hopper kernels and
+its CUDA forward) skip without a GPU."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -258,13 +261,26 @@ def packed_path(request):
         pytest.skip("needs a Hopper GPU")
     if request.param == "cuda" and not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("this build has no CUDA C++ Hopper kernels")
-    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD
-    _dispatch.GPU_VARLEN_PREFERS_HOPPER = request.param == "hopper"
-    _dispatch.GPU_VARLEN_CUDA_FORWARD = request.param == "cuda"
+    with _varlen_flags(request.param == "hopper", request.param == "cuda"):
+        yield {"hopper": "Hopper", "ragged": "ragged", "cuda": "CUDA C++"}[request.param]
+
+
+@contextlib.contextmanager
+def _varlen_flags(prefers_hopper: bool, cuda_forward: bool):
+    """`_dispatch`'s varlen switches for a test (the CUDA forward at any `max_seqlen_q`), JAX's
+    caches cleared around the change (the switches are read at trace time)."""
+    names = ("GPU_VARLEN_PREFERS_HOPPER", "GPU_VARLEN_CUDA_FORWARD",
+             "GPU_VARLEN_CUDA_FORWARD_MIN_SEQ")
+    saved = tuple(getattr(_dispatch, name) for name in names)
+    for name, value in zip(names, (prefers_hopper, cuda_forward, 0)):
+        setattr(_dispatch, name, value)
     jax.clear_caches()
-    yield {"hopper": "Hopper", "ragged": "ragged", "cuda": "CUDA C++"}[request.param]
-    _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD = saved
-    jax.clear_caches()
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(_dispatch, name, value)
+        jax.clear_caches()
 
 
 @gpu_only
@@ -321,10 +337,7 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
     cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=700, max_seqlen_kv=700,
                 backend="flash", **options)
-    saved = _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD
-    _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD = False, True
-    jax.clear_caches()
-    try:
+    with _varlen_flags(False, True):
         assert "CUDA C++" in ax.explain(q, k, v, **args).packed
         fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
         out, aux = jax.jit(fn)(q, k, v)
@@ -342,9 +355,6 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
             g = np.asarray(g, np.float32)
             assert np.isfinite(g).all()
             np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
-    finally:
-        _dispatch.GPU_VARLEN_PREFERS_HOPPER, _dispatch.GPU_VARLEN_CUDA_FORWARD = saved
-        jax.clear_caches()
 
 
 @pytest.mark.parametrize("q_lens", [(300, 0, 1, 128, 129), (5,), (0, 0), (1000, 2000, 1),

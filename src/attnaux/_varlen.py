@@ -165,8 +165,14 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     elif ragged_no is None:
         mode = "ragged"
         how = "in place through cuDNN's ragged (THD) layout: nothing is padded"
-        cuda_no = (_hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
-                   if _dispatch.GPU_VARLEN_CUDA_FORWARD else "GPU_VARLEN_CUDA_FORWARD is off")
+        if not _dispatch.GPU_VARLEN_CUDA_FORWARD:
+            cuda_no = "GPU_VARLEN_CUDA_FORWARD is off"
+        elif max_seqlen_q < _dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ:
+            cuda_no = (f"max_seqlen_q={max_seqlen_q} is below "
+                       f"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ={_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ}"
+                       ", where cuDNN's forward measured as fast")
+        else:
+            cuda_no = _hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
         if cuda_no is None:
             mode = "cuda"
             how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
@@ -174,8 +180,8 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                    "(THD) layout; nothing is padded")
         elif gpu_flash:
             how += (" (attnaux's Hopper kernels: " + (
-                hopper_no or "measured slower here, GPU_VARLEN_PREFERS_HOPPER") + "; its CUDA "
-                "forward: " + cuda_no + ")")
+                hopper_no or "measured slower here, GPU_VARLEN_PREFERS_HOPPER") + "; attnaux's "
+                "CUDA forward: " + cuda_no + ")")
     else:
         mode = "padded"
         how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
