@@ -103,8 +103,9 @@ struct FwdTraits {
     alignas(8) uint64_t v_full[kStages];
     alignas(8) uint64_t k_empty[kStages];  // K released once S is done, V once P V is
     alignas(8) uint64_t v_empty[kStages];
-    // packed sequences: the tile the producer took from the counter, decoded (Tile's fields)
-    int tile_slot[12];
+    // packed sequences: the tile the producer took from the counter, decoded (valid, m_block,
+    // h, n_lo, n_blocks, q_base, q_len, kv_len, offset: Tile's fields the consumers use)
+    int tile_slot[9];
   };
   // the dynamic shared memory is aligned by hand to the swizzle atoms' 1024 bytes
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
@@ -166,9 +167,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the tile. (Each consumer decoding the tile itself, two dependent reads, and both
   // warpgroups meeting at one barrier measured 0.250 ms against the dense kernel's 0.167 on
   // the same 16 causal documents of 1024 tokens; the producer decoding each tile as it
-  // published it, 0.218.) The (sequence, query block) pairs come in the caller's order: per
-  // sequence, its last (under a causal mask, heaviest) blocks first, a block's heads next to
-  // each other.
+  // published it, 0.218.) The query blocks come in the caller's order
+  // (`_hopper_packed._cuda_blocks`: the longest sequences first, each sequence's last, under a
+  // causal mask heaviest, block first), a block's heads next to each other.
   const int m_blocks = p.q_seq / M;
   const int tiles = kPacked ? p.block_count * p.q_heads : m_blocks * p.q_heads * p.batch;
   const int* schedule = p.schedule;
@@ -671,7 +672,8 @@ cudaError_t LaunchFwdTraits(const FwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // the TMA descriptors of this call's tensors, passed as a __grid_constant__ parameter
   const FwdKernelParams<Traits> params = MakeFwdKernelParams<Traits>(p);
-  // persistent: the schedule's CTAs (about one an SM), each taking its list of tiles
+  // persistent: about one CTA an SM, each taking its list of tiles (packed sequences: its
+  // tiles from the counter)
   kernel<<<dim3(p.grid), Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

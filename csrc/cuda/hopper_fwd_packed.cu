@@ -32,8 +32,8 @@ using attnaux::SameDims;
 constexpr const char* kTarget = "attnaux_hopper_fwd_packed";
 
 ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> blocks, int64_t grid, float scale,
-                               int32_t bottom_right, int32_t has_upper, int64_t upper,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> blocks, int64_t grid,
+                               float scale, int32_t bottom_right, int32_t has_upper, int64_t upper,
                                int32_t has_lower, int64_t lower,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse,

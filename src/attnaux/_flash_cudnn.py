@@ -957,8 +957,9 @@ def ragged_attention_cuda(q, k, v, *, q_offsets, kv_offsets, q_len, kv_len, q_ke
     """`(out [Tq, Hq, Dv], lse, max)` of packed sequences through cuDNN's ragged layout, the
     statistics per sequence `[num_seqs, Hq, max_seqlen_q]` (with `forward_kernel`: per token
     `[Hq, Tq]`, the tokens that no sequence covers left to the caller to hide)
-    (`ragged_unavailable` is None; no sink: the caller adds it). `*_offsets`: int32 `[n + 1]` token offsets, non-decreasing,
-    within the tokens; `*_len`: int32 `[n]`, each at most its span and `max_seqlen_*`;
+    (`ragged_unavailable` is None; no sink: the caller adds it). `*_offsets`: int32 `[n + 1]`
+    token offsets, non-decreasing, within the tokens; `*_len`: int32 `[n]`, each at most its
+    span and `max_seqlen_*`;
     `q_keep`/`kv_keep`: bool per token, covered by a sequence (and, for queries, seeing a key).
     `forward_kernel`: runs in cuDNN's forward's place (`_hopper_packed.cuda_forward`), cuDNN's
     backward differentiating it; None: cuDNN's forward."""

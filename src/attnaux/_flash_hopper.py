@@ -1074,7 +1074,8 @@ def _row_stats(out, lse, dout, dlse):
 CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd"
 CUDA_FORWARD_TARGET = "attnaux_hopper_fwd"
 CUDA_FORWARD_ROWS = 128  # the CUDA forward's query rows a tile (FwdTraits::kBlockM)
-# its keys a step by head dim (csrc/cuda/hopper_fwd.cu, LaunchFor): the tile lists' cost model
+# its keys a step by head dim (csrc/cuda/hopper_fwd_kernel.cuh, LaunchFwd): the tile lists' cost
+# model
 CUDA_FORWARD_KEYS = {64: 128, 128: 128, 256: 64}
 
 

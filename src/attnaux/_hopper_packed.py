@@ -450,7 +450,8 @@ def cuda_forward_unavailable(q, k, v, options: Options) -> str | None:
     devices = jax.devices()
     capability = str(getattr(devices[0], "compute_capability", "")) if devices else ""
     if not capability.startswith("9."):
-        return f"the CUDA C++ kernels need a Hopper GPU (compute capability 9.x), not {capability!r}"
+        return (f"the CUDA C++ kernels need a Hopper GPU (compute capability 9.x), not "
+                f"{capability!r}")
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"it takes bfloat16 or float16 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype})"
     if q.shape[-1] not in CUDA_FORWARD_HEAD_DIMS or v.shape[-1] != q.shape[-1]:
@@ -532,9 +533,9 @@ def cuda_forward(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_
 @functools.cache
 def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
              max_kv: int):
-    from ._kernel_call import SHARED, KernelOp
-
     import numpy as np
+
+    from ._kernel_call import SHARED, KernelOp
 
     window = None
     if window_left >= 0 or window_right >= 0:

@@ -168,9 +168,9 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
         if not _dispatch.GPU_VARLEN_CUDA_FORWARD:
             cuda_no = "GPU_VARLEN_CUDA_FORWARD is off"
         elif max_seqlen_q < _dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ:
-            cuda_no = (f"max_seqlen_q={max_seqlen_q} is below "
-                       f"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ={_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ}"
-                       ", where cuDNN's forward measured as fast")
+            least = _dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ
+            cuda_no = (f"max_seqlen_q={max_seqlen_q} is below GPU_VARLEN_CUDA_FORWARD_MIN_SEQ="
+                       f"{least}, where cuDNN's forward measured as fast")
         else:
             cuda_no = _hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
         if cuda_no is None:
