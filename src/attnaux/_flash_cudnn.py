@@ -141,7 +141,8 @@ class Config(NamedTuple):
     # a kernel run in cuDNN's forward's place, `(cfg, q, k, v) -> (out, lse, max)`, its lse the
     # backward's stats (`_dispatch.FLASH_HOPPER_FORWARD`: attnaux's Hopper kernel); with
     # `ragged`, `(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep) -> (out,
-    # lse, max)` per sequence (`_hopper_packed.cuda_forward`); None: cuDNN
+    # lse, max)`, the statistics per token `[1, Hq, Tq]` (`_hopper_packed.cuda_forward`); None:
+    # cuDNN
     forward_kernel: Callable | None = None
 
 

@@ -512,10 +512,10 @@ def cuda_forward(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_
     """`(out [1, Tq, Hq, D], lse, max)` of packed sequences on attnaux's CUDA C++ Hopper forward
     (`cuda_forward_unavailable` is None), the statistics per token `[1, Hq, Tq]` (cuDNN's
     ragged backward differentiates this: `_flash_cudnn`'s `Config.forward_kernel` with
-    `ragged`). `cfg`: the GPU flash backend's
-    `Config` (scale, causal, window, max_seqlen_*); the other operands as
-    `_flash_cudnn.ragged_attention_cuda`'s, with a leading 1 on q, k and v. Rows that no
-    sequence covers come out 0 (`q_keep`); their statistics are the caller's to hide."""
+    `ragged`). `cfg`: the GPU flash backend's `Config` (scale, causal, window,
+    `max_seqlen_*`); the other operands as `_flash_cudnn.ragged_attention_cuda`'s, with a
+    leading 1 on q, k and v. Rows where `q_keep` is False come out 0; the statistics of the
+    tokens that no sequence covers are the caller's to hide."""
     from ._flash_cudnn import _zero_rows
 
     max_q = int(cfg.max_seqlen_q)
