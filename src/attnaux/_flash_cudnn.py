@@ -140,9 +140,8 @@ class Config(NamedTuple):
     fold_kernel: bool = False  # the fold through `attnaux_fold_lse` (`FOLD_WITH_KERNEL`, built)
     # a kernel run in cuDNN's forward's place, `(cfg, q, k, v) -> (out, lse, max)`, its lse the
     # backward's stats (`_dispatch.FLASH_HOPPER_FORWARD`: attnaux's Hopper kernel); with
-    # `ragged`, `(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep) -> (out,
-    # lse, max)`, the statistics per token `[1, Hq, Tq]` (`_hopper_packed.cuda_forward`); None:
-    # cuDNN
+    # `ragged`, `(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets) -> (out, lse, max)`, the
+    # statistics per token `[1, Hq, Tq]` (`_hopper_packed.cuda_forward`); None: cuDNN
     forward_kernel: Callable | None = None
 
 
@@ -829,12 +828,14 @@ def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_of
                 kv_offsets, q_keep, kv_keep):
     args = (q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep)
     if cfg.forward_kernel is not None:
-        # attnaux's CUDA forward over the packed tokens (`_hopper_packed.cuda_forward`): out,
-        # and lse and max per token `[1, Hq, Tq]` (-inf for a row that sees no key; the
-        # caller hides the tokens that no sequence covers); cuDNN's backward takes the lse per
-        # sequence as its stats, gathered only when differentiating
+        # attnaux's CUDA forward over the packed tokens (`_hopper_packed.cuda_forward`): out
+        # (rows that no sequence covers zeroed here, as after cuDNN's), and lse and max per
+        # token `[1, Hq, Tq]` (-inf for a row that sees no key; the caller hides the tokens
+        # that no sequence covers); cuDNN's backward takes the lse per sequence as its stats,
+        # gathered only when differentiating
         out, lse, row_max = cfg.forward_kernel(cfg, q, k, v, q_len, kv_len, q_offsets,
-                                               kv_offsets, q_keep, kv_keep)
+                                               kv_offsets)
+        out = _zero_rows(out, q_keep)
         stats = None
         if differentiating:
             rows = q_offsets[:-1, None] + jnp.arange(cfg.max_seqlen_q, dtype=jnp.int32)[None, :]

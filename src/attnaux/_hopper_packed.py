@@ -31,10 +31,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
-from ._kernel_call import add_sink
+from ._kernel_call import SHARED, KernelOp, add_sink
 from ._masking import diagonal_shift
 from ._partition import (
     BATCH,
@@ -508,35 +509,28 @@ def _cuda_blocks(q_len, kv_len, q_offsets, kv_offsets, max_seqlen_q: int, total_
         jnp.int32)
 
 
-def cuda_forward(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep):
+def cuda_forward(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets):
     """`(out [1, Tq, Hq, D], lse, max)` of packed sequences on attnaux's CUDA C++ Hopper forward
     (`cuda_forward_unavailable` is None), the statistics per token `[1, Hq, Tq]` (cuDNN's
     ragged backward differentiates this: `_flash_cudnn`'s `Config.forward_kernel` with
     `ragged`). `cfg`: the GPU flash backend's `Config` (scale, causal, window,
     `max_seqlen_*`); the other operands as `_flash_cudnn.ragged_attention_cuda`'s, with a
-    leading 1 on q, k and v. Rows where `q_keep` is False come out 0; the statistics of the
-    tokens that no sequence covers are the caller's to hide."""
-    from ._flash_cudnn import _zero_rows
-
+    leading 1 on q, k and v. Only rows that a sequence covers are written: the caller zeroes
+    the others' out and hides their statistics."""
     max_q = int(cfg.max_seqlen_q)
     op = _cuda_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
                   int(cfg.window_right), max_q, int(cfg.max_seqlen_kv))
     # (the keys past a sequence's end in its last key block, the next sequence's or padding,
     # have their V rows zeroed by the kernel, as 0 * NaN is NaN in the tensor cores: no
-    # `kv_keep` here)
-    del kv_keep
+    # pass over V here)
     r = op(q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
            kv_offsets=kv_offsets)
-    return _zero_rows(r["out"], q_keep), r["lse"], r["max"]
+    return r["out"], r["lse"], r["max"]
 
 
 @functools.cache
 def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
              max_kv: int):
-    import numpy as np
-
-    from ._kernel_call import SHARED, KernelOp
-
     window = None
     if window_left >= 0 or window_right >= 0:
         unbounded = max_q + max_kv
