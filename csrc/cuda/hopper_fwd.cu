@@ -15,6 +15,7 @@
 #include "common/ffi_shapes.h"
 #include "cuda/ffi_utils.cuh"
 #include "cuda/hopper_fwd_kernel.cuh"
+#include "cuda/hopper_fwd_operands.h"
 #include "cuda/kernels_cuda.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,9 +27,7 @@ namespace {
 using attnaux_cuda_kernels::AttnInvalid;
 using attnaux_cuda_kernels::CudaResult;
 using attnaux_cuda_kernels::RequireHopper;
-using Dims = attnaux::Dims;
 using attnaux::BracketShape;
-using attnaux::SameDims;
 
 constexpr const char* kTarget = "attnaux_hopper_fwd";
 
@@ -39,46 +38,18 @@ ffi::Error HopperFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          int64_t lower, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::F32>> lse,
                          ffi::Result<ffi::Buffer<ffi::F32>> row_max) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4) {
-    return AttnInvalid(kTarget, "q and k must be [batch, seq, heads, dim], got q " +
-                                    BracketShape(qd) + " and k " + BracketShape(kd) + ".");
+  if (ffi::Error bad = CheckForwardOperands(kTarget, q, k, v, *out, lse->dimensions(),
+                                            row_max->dimensions());
+      bad.failure()) {
+    return bad;
   }
+  const auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t bsz = qd[0], q_seq = qd[1], q_heads = qd[2], dim = qd[3];
   const int64_t kv_seq = kd[1], kv_heads = kd[2];
-  if (kd[0] != bsz || kd[3] != dim || !SameDims(v.dimensions(), kd) ||
-      !SameDims(out->dimensions(), qd)) {
-    return AttnInvalid(kTarget, "expected k and v of one shape [batch, kv_seq, kv_heads, dim] "
-                                "matching q's batch and dim, and out of q's shape; got q " +
-                                    BracketShape(qd) + ", k " + BracketShape(kd) + ", v " +
-                                    BracketShape(v.dimensions()) + ", out " +
-                                    BracketShape(out->dimensions()) + ".");
-  }
   const auto dtype = q.element_type();
-  if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
-      v.element_type() != dtype || out->element_type() != dtype) {
-    return AttnInvalid(kTarget, "q, k, v and out must share one dtype, bfloat16 or float16.");
-  }
-  if (dim != 64 && dim != 128 && dim != 256) {
-    return AttnInvalid(kTarget, "head dim must be 64, 128 or 256, got " + std::to_string(dim) +
-                                    ".");
-  }
   if (q_seq % 128 != 0 || kv_seq % 128 != 0) {
     return AttnInvalid(kTarget, "q_seq and kv_seq must be multiples of 128 (padded), got " +
                                     std::to_string(q_seq) + " and " + std::to_string(kv_seq) + ".");
-  }
-  if (kv_heads == 0 || q_heads % kv_heads != 0) {
-    return AttnInvalid(kTarget, "q_heads (" + std::to_string(q_heads) +
-                                    ") must be a multiple of kv_heads (" +
-                                    std::to_string(kv_heads) + ").");
-  }
-  const int64_t want_stats[3] = {bsz, q_heads, q_seq};
-  if (!SameDims(lse->dimensions(), Dims(want_stats, 3)) ||
-      !SameDims(row_max->dimensions(), Dims(want_stats, 3))) {
-    return AttnInvalid(kTarget, "lse and max must be [batch, q_heads, q_seq] = " +
-                                    BracketShape(Dims(want_stats, 3)) + ", got " +
-                                    BracketShape(lse->dimensions()) + " and " +
-                                    BracketShape(row_max->dimensions()) + ".");
   }
   if (bsz > 65535 || q_heads > 65535 || q_seq > (1 << 30) || kv_seq > (1 << 30)) {
     return AttnInvalid(kTarget, "batch and q_heads must be at most 65535 and the sequences "

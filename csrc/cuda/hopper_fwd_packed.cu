@@ -14,6 +14,7 @@
 #include "common/ffi_shapes.h"
 #include "cuda/ffi_utils.cuh"
 #include "cuda/hopper_fwd_kernel.cuh"
+#include "cuda/hopper_fwd_operands.h"
 #include "cuda/kernels_cuda.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,7 +26,6 @@ namespace {
 using attnaux_cuda_kernels::AttnInvalid;
 using attnaux_cuda_kernels::CudaResult;
 using attnaux_cuda_kernels::RequireHopper;
-using Dims = attnaux::Dims;
 using attnaux::BracketShape;
 using attnaux::SameDims;
 
@@ -39,42 +39,19 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                ffi::Result<ffi::Buffer<ffi::F32>> row_max,
                                ffi::Result<ffi::Buffer<ffi::S32>> counter) {
+  if (ffi::Error bad = CheckForwardOperands(kTarget, q, k, v, *out, lse->dimensions(),
+                                            row_max->dimensions());
+      bad.failure()) {
+    return bad;
+  }
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[0] != 1 || kd[0] != 1) {
-    return AttnInvalid(kTarget, "q and k must be [1, tokens, heads, dim], got q " +
-                                    BracketShape(qd) + " and k " + BracketShape(kd) + ".");
+  if (qd[0] != 1) {
+    return AttnInvalid(kTarget, "q and k must be [1, tokens, heads, dim] (one packed row), got "
+                                "q " + BracketShape(qd) + " and k " + BracketShape(kd) + ".");
   }
   const int64_t total_q = qd[1], q_heads = qd[2], dim = qd[3];
   const int64_t total_kv = kd[1], kv_heads = kd[2];
-  if (kd[3] != dim || !SameDims(v.dimensions(), kd) || !SameDims(out->dimensions(), qd)) {
-    return AttnInvalid(kTarget, "expected k and v of one shape [1, total_kv, kv_heads, dim] "
-                                "with q's dim, and out of q's shape; got q " +
-                                    BracketShape(qd) + ", k " + BracketShape(kd) + ", v " +
-                                    BracketShape(v.dimensions()) + ", out " +
-                                    BracketShape(out->dimensions()) + ".");
-  }
   const auto dtype = q.element_type();
-  if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
-      v.element_type() != dtype || out->element_type() != dtype) {
-    return AttnInvalid(kTarget, "q, k, v and out must share one dtype, bfloat16 or float16.");
-  }
-  if (dim != 64 && dim != 128 && dim != 256) {
-    return AttnInvalid(kTarget, "head dim must be 64, 128 or 256, got " + std::to_string(dim) +
-                                    ".");
-  }
-  if (kv_heads == 0 || q_heads % kv_heads != 0) {
-    return AttnInvalid(kTarget, "q_heads (" + std::to_string(q_heads) +
-                                    ") must be a multiple of kv_heads (" +
-                                    std::to_string(kv_heads) + ").");
-  }
-  const int64_t want_stats[3] = {1, q_heads, total_q};
-  if (!SameDims(lse->dimensions(), Dims(want_stats, 3)) ||
-      !SameDims(row_max->dimensions(), Dims(want_stats, 3))) {
-    return AttnInvalid(kTarget, "lse and max must be [1, q_heads, total_q] = " +
-                                    BracketShape(Dims(want_stats, 3)) + ", got " +
-                                    BracketShape(lse->dimensions()) + " and " +
-                                    BracketShape(row_max->dimensions()) + ".");
-  }
   const auto bd = blocks.dimensions();
   if (bd.size() != 2 || bd[0] != 5 || !SameDims(counter->dimensions(), {1})) {
     return AttnInvalid(kTarget, "blocks must be int32 [5, blocks] and the counter int32 [1]; "
