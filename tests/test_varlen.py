@@ -283,6 +283,29 @@ def _varlen_flags(prefers_hopper: bool, cuda_forward: bool):
         jax.clear_caches()
 
 
+def _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, *, jit=False):
+    """`fn(q, k, v)` (a 16-bit varlen call) against `_per_sequence` in float32 on the inputs
+    with NaN made 0: out and lse within 2e-2, the gradients of a loss with an lse term finite
+    and within 6e-2; returns the gradients."""
+    wrap = jax.jit if jit else (lambda f: f)
+    out, aux = wrap(fn)(q, k, v)
+    clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
+    want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, **options)
+    _compare(out, aux, want_out, want_lse, 2e-2)
+
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    got = wrap(jax.grad(_loss_fn(fn), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
+    for g, w in zip(got, want):
+        g = np.asarray(g, np.float32)
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
+    return got
+
+
 @gpu_only
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal="bottom_right"),
                                      dict(window=(32, 0)), dict(causal=True, softcap=20.0)],
@@ -300,21 +323,7 @@ def test_gpu_ragged_parity(options, heads, packed_path):
     served = "ragged" if packed_path == "CUDA C++" and "softcap" in options else packed_path
     assert served in ax.explain(q, k, v, **args).packed
     fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
-    out, aux = fn(q, k, v)
-    clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
-    want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, **options)
-    _compare(out, aux, want_out, want_lse, 2e-2)
-    # gradients (with an lse term) against the float32 reference
-    def ref(q, k, v):
-        out, lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
-        return out, ax.AttnAux(lse=lse, max=lse)
-
-    got = jax.grad(_loss_fn(fn), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
-    for g, w in zip(got, want):
-        g = np.asarray(g, np.float32)
-        assert np.isfinite(g).all()
-        np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
+    got = _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options)
     assert not np.asarray(got[0][nq:], np.float32).any()
     assert not np.asarray(got[1][nk:], np.float32).any()
 
@@ -340,21 +349,7 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
     with _varlen_flags(False, True):
         assert "CUDA C++" in ax.explain(q, k, v, **args).packed
         fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
-        out, aux = jax.jit(fn)(q, k, v)
-        clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
-        want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, **options)
-        _compare(out, aux, want_out, want_lse, 2e-2)
-
-        def ref(q, k, v):
-            out, lse = _per_sequence(q, k, v, cu_q, cu_kv, **options)
-            return out, ax.AttnAux(lse=lse, max=lse)
-
-        got = jax.jit(jax.grad(_loss_fn(fn), argnums=(0, 1, 2)))(q, k, v)
-        want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
-        for g, w in zip(got, want):
-            g = np.asarray(g, np.float32)
-            assert np.isfinite(g).all()
-            np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
+        _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, jit=True)
 
 
 @pytest.mark.parametrize("q_lens", [(300, 0, 1, 128, 129), (5,), (0, 0), (1000, 2000, 1),
