@@ -80,7 +80,7 @@ from ._kernel_call import (
     compiled_vjp,
     present,
 )
-from ._masking import zero_hidden_rows
+from ._masking import token_rows, zero_hidden_rows
 from ._partition import BATCH as BATCH_DIM
 from ._partition import HEADS, KV_HEADS
 
@@ -852,31 +852,6 @@ def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_of
     lse = jnp.where(seen, lse, -jnp.inf)
     row_max = jnp.where(seen, row_max, -jnp.inf)
     return (out, lse, row_max), (args, out, stats)
-
-
-_COMPARE_ALL = 1 << 24  # tokens x sequences counted by comparison in `token_rows`
-
-
-def token_rows(offsets: jax.Array, lengths: jax.Array, tokens: int):
-    """`(sequence, position, covered)` of every token, `int32/int32/bool [tokens]`: the sequence
-    holding it (clipped to a valid index), its row in that sequence, and whether a sequence
-    covers it (`offsets`: `[n + 1]`, non-decreasing; `lengths`: `[n]`, each at most its span)."""
-    t = jnp.arange(tokens, dtype=jnp.int32)
-    n = lengths.shape[0]
-    # seq[t] = how many sequences end at or before t. Up to _COMPARE_ALL tokens x sequences,
-    # every token counts the ends at or before it: one fused pass. The histogram of the ends
-    # and its running sum below is O(tokens + n) but several kernels on GPU (a scatter and the
-    # running sum's windows; with the offsets' running max, 8 fusions around a packed forward
-    # instead of 5, 0.003-0.004 ms of 0.13-0.22 ms on an H100 at 16384 tokens); a searchsorted
-    # is a while loop, a host round trip per step on GPU.
-    if tokens * n <= _COMPARE_ALL:
-        seq = jnp.sum(offsets[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32)
-    else:
-        ends = jnp.zeros((tokens + 1,), jnp.int32).at[jnp.clip(offsets[1:], 0, tokens)].add(1)
-        seq = jnp.cumsum(ends[:tokens])
-    seq = jnp.minimum(seq, n - 1).astype(jnp.int32)
-    pos = t - offsets[seq]
-    return seq, pos, (pos >= 0) & (pos < lengths[seq])
 
 
 def _ragged_bwd(cfg: Config, residuals, cotangents):

@@ -36,7 +36,7 @@ import numpy as np
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
 from ._kernel_call import SHARED, KernelOp, add_sink
-from ._masking import diagonal_shift
+from ._masking import diagonal_shift, token_rows
 from ._partition import (
     BATCH,
     HEADS,
@@ -494,17 +494,13 @@ def _cuda_blocks(q_len, kv_len, q_offsets, kv_offsets, max_seqlen_q: int, total_
     else:
         order = jnp.argsort(-blocks, stable=True).astype(jnp.int32)
     blocks = blocks[order]
-    ends = jnp.cumsum(blocks)  # block g belongs to the first sequence whose end is past g
-    g = jnp.arange(bound, dtype=jnp.int32)
-    # (counting by comparison is one fusion, as `_flash_cudnn.token_rows`; a nonzero's scatter
-    # and running sum were four, ~10 us of small kernels on an H100)
-    if bound * n <= 1 << 24:
-        seq = jnp.sum(ends[None, :] <= g[:, None], axis=1, dtype=jnp.int32)
-    else:
-        seq = jnp.searchsorted(ends, g, side="right", method="sort").astype(jnp.int32)
-    at = jnp.minimum(seq, n - 1)
-    m_block = jnp.where(g < ends[-1], ends[at] - 1 - g, -1)  # the sequence's last block first
-    at = order[at]
+    # block g of the table is block `pos` of sequence `seq` (in `order`), as a token of packed
+    # sequences is (`token_rows`: counting by comparison, one fusion; a nonzero's scatter and
+    # running sum were four, ~10 us of small kernels on an H100)
+    offsets = jnp.concatenate([jnp.zeros((1,), blocks.dtype), jnp.cumsum(blocks)])
+    seq, pos, listed = token_rows(offsets, blocks, bound)
+    m_block = jnp.where(listed, blocks[seq] - 1 - pos, -1)  # the sequence's last block first
+    at = order[seq]
     return jnp.stack([m_block, q_offsets[at], q_len[at], kv_offsets[at], kv_len[at]]).astype(
         jnp.int32)
 

@@ -31,6 +31,7 @@ from ._aux import AttnAux
 from ._canon import canonicalize, check_key
 from ._dispatch import Explanation, call_statics, choose
 from ._kernel_call import add_sink
+from ._masking import token_rows
 
 __all__ = ["cu_seqlens_to_segment_ids", "segment_ids_to_cu_seqlens", "varlen_attention"]
 
@@ -57,7 +58,7 @@ def _packing(cu_seqlens: jax.Array, total: int, max_seqlen: int) -> Packing:
     if lengths.shape[0] == 0:  # no sequences: every token is padding
         zeros = jnp.zeros((total,), jnp.int32)
         return Packing(offsets, lengths, zeros, zeros, jnp.zeros((total,), bool))
-    seq, pos, covered = _flash_cudnn.token_rows(offsets, lengths, total)
+    seq, pos, covered = token_rows(offsets, lengths, total)
     return Packing(offsets, lengths, seq, jnp.clip(pos, 0, max_seqlen - 1), covered)
 
 
@@ -439,5 +440,5 @@ def cu_seqlens_to_segment_ids(cu_seqlens, total: int, *, padding_id: int = -1):
     if n == 0:
         return jnp.full((total,), padding_id, jnp.int32)
     offsets = jax.lax.cummax(jnp.clip(cu.astype(jnp.int32), 0, total))
-    seq, _, covered = _flash_cudnn.token_rows(offsets, offsets[1:] - offsets[:-1], total)
+    seq, _, covered = token_rows(offsets, offsets[1:] - offsets[:-1], total)
     return jnp.where(covered, seq, padding_id).astype(jnp.int32)
