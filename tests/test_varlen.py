@@ -352,28 +352,78 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
         _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, jit=True)
 
 
-@pytest.mark.parametrize("q_lens", [(300, 0, 1, 128, 129), (5,), (0, 0), (1000, 2000, 1),
-                                    tuple(range(0, 3000, 97)),
-                                    tuple((i * 37) % 300 for i in range(1100))])  # argsort
-def test_cuda_forward_block_table(q_lens):
-    """The CUDA forward's query blocks (`_hopper_packed._cuda_blocks`, built on any device):
-    every 128-row block of every sequence once, the sequences with the most blocks first (ties
-    in their order), each sequence's last block first, with its sequence's offsets and
-    lengths; -1 after the last block, within the static bound."""
+def _cuda_table_reference(cu_q, cu_kv, total_q, max_q, max_kv):
+    """The CUDA forward's runs (hopper_fwd_packed_table.cuh) in NumPy: `(bucket, q_off, q_len,
+    kv_off, kv_len, blocks)` for each sequence's tokens up to `max_q`, its tokens past it and
+    the tokens past the last sequence (no keys, bucket -1: last)."""
+    runs = []
+    for i in range(len(cu_q) - 1):
+        span = int(cu_q[i + 1] - cu_q[i])
+        q_len, kv_len = min(span, max_q), min(int(cu_kv[i + 1] - cu_kv[i]), max_kv)
+        runs.append((min(-(-q_len // 128), 2047), int(cu_q[i]), q_len, int(cu_kv[i]), kv_len))
+        runs.append((-1, int(cu_q[i]) + q_len, span - q_len, 0, 0))
+    runs.append((-1, int(cu_q[-1]), total_q - int(cu_q[-1]), 0, 0))
+    return [(*run, -(-run[2] // 128)) for run in runs if run[2] > 0]
+
+
+@gpu_only
+@pytest.mark.parametrize("q_lens,max_q,extra", [
+    ((300, 0, 1, 128, 129), 300, 3), ((5,), 5, 0), ((0, 0), 1, 40),
+    ((1000, 2000, 1), 1500, 200),  # a sequence past max_seqlen_q: its tail a run without keys
+    (tuple(range(0, 3000, 97)), 2910, 5),
+    (tuple((i * 37) % 300 for i in range(1100)), 299, 130)])
+def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
+    """The CUDA forward's block table, built on the device (hopper_fwd_packed_table.cuh), read
+    back from its work buffer: every 128-row block of every run once (each sequence's tokens up
+    to `max_seqlen_q` with its keys; its tokens past that, and the tokens past the last
+    sequence, without keys), the sequences with the most blocks first and the runs without keys
+    last, each run's blocks together, its last first; -1 after the last block. The rows of the
+    runs without keys (NaN in q there) come out 0 with lse = max = -inf."""
+    if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
+        pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens = np.asarray(q_lens, np.int32)
     kv_lens = q_lens[::-1].copy()
     cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
-    total = int(cu_q[-1]) + 3
-    table = np.asarray(_hopper_packed._cuda_blocks(
-        jnp.asarray(q_lens), jnp.asarray(kv_lens), jnp.asarray(cu_q), jnp.asarray(cu_kv),
-        max(int(q_lens.max()), 1), total))
-    blocks = -(-q_lens // 128)
-    order = sorted(range(len(q_lens)), key=lambda i: -blocks[i])  # most blocks first, stable
-    want = [(m, cu_q[i], q_lens[i], cu_kv[i], kv_lens[i])
-            for i in order for m in reversed(range(blocks[i]))]
-    assert table.shape[0] == 5 and table.shape[1] >= len(want)
-    np.testing.assert_array_equal(table[:, :len(want)].T, np.asarray(want).reshape(-1, 5))
-    assert (table[0, len(want):] == -1).all()
+    total_q, total_kv, max_kv = int(cu_q[-1]) + extra, max(int(cu_kv[-1]), 1), max_q
+    key = jax.random.key(3)
+    q = jax.random.normal(key, (1, total_q, 2, 64), jnp.bfloat16)
+    k = v = jax.random.normal(jax.random.fold_in(key, 1), (1, total_kv, 2, 64), jnp.bfloat16)
+    runs = _cuda_table_reference(cu_q, cu_kv, total_q, max_q, max_kv)
+    keyless = np.zeros(total_q, bool)
+    for _, q_off, q_len, _, kv_len, _ in runs:
+        keyless[q_off:q_off + q_len] = kv_len == 0
+    q = jnp.where(jnp.asarray(keyless)[None, :, None, None], jnp.nan, q)
+    n = len(q_lens)
+    count = _hopper_packed.cuda_block_count(total_q, n)
+    stats = jax.ShapeDtypeStruct((1, 2, total_q), jnp.float32)
+    out, lse, row_max, work = jax.ffi.ffi_call(_hopper_packed.CUDA_FORWARD_TARGET, (
+        jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats,
+        jax.ShapeDtypeStruct((5 * count + 2 * n + 2,), jnp.int32)))(
+        q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), grid=np.int64(8),
+        block_count=np.int64(count), max_seqlen_q=np.int64(max_q),
+        max_seqlen_kv=np.int64(max_kv), scale=np.float32(0.125), bottom_right=np.int32(0),
+        has_upper=np.int32(0), upper=np.int64(0), has_lower=np.int32(0), lower=np.int64(0))
+    table = np.asarray(work)[:5 * count].reshape(5, count)
+    used = sum(run[-1] for run in runs)
+    assert (table[0, used:] == -1).all()
+    at = 0
+    buckets = []
+    by_start = {run[1]: run for run in runs if run[-1] > 0}
+    while at < used:  # each run's blocks together, its last block first
+        run = by_start[int(table[1, at])]
+        bucket, q_off, q_len, kv_off, kv_len, blocks = run
+        want = np.stack([np.arange(blocks)[::-1], *(np.full(blocks, x)
+                                                    for x in (q_off, q_len, kv_off, kv_len))])
+        np.testing.assert_array_equal(table[:, at:at + blocks], want)
+        buckets.append(bucket)
+        del by_start[q_off]
+        at += blocks
+    assert not by_start and at == used  # every run once
+    assert buckets == sorted(buckets, reverse=True)  # most blocks first, keyless runs last
+    assert not np.asarray(out[0, keyless], np.float32).any()
+    assert np.isneginf(np.asarray(lse[0][:, keyless])).all()
+    assert np.isneginf(np.asarray(row_max[0][:, keyless])).all()
+    assert np.isfinite(np.asarray(out[0, ~keyless], np.float32)).all()
 
 
 @gpu_only

@@ -29,14 +29,14 @@ struct FwdParams : HopperGeometry {
 
   // Packed sequences (`attnaux_hopper_fwd_packed`, HopperFwdKernel<Traits, true>): q and out
   // [1, total_q, q_heads, dim], k and v [1, total_kv, kv_heads, dim], lse and max [1, q_heads,
-  // total_q]. `blocks` int32 [5, block_count]: per query block of 128 rows of a sequence, its
-  // index in the sequence (-1 after the last block), the sequence's first query token, its
-  // query tokens, its first key token and its keys (within the arrays: the caller clamps
-  // them); tile t is block t / q_heads of head t % q_heads. The visibility fields apply within
-  // each sequence (its rows and keys counted from its first token; q_len and kv_len its own),
-  // `bottom_right` adding its kv_len - q_len to `offset`. The CTAs take tiles from
-  // `tile_counter` (zeroed by the handler before the launch). Unused (null) in the dense
-  // forward.
+  // total_q]. `blocks` int32 [5, block_count]: per query block of 128 rows of a run (a
+  // sequence, or tokens without keys: hopper_fwd_packed_table.cuh builds it on the device), its
+  // index in the run (-1 after the last block), the run's first query token, its query tokens,
+  // its first key token and its keys (within the arrays); tile t is block t / q_heads of head
+  // t % q_heads. The visibility fields apply within each sequence (its rows and keys counted
+  // from its first token; q_len and kv_len its own), `bottom_right` adding its kv_len - q_len
+  // to `offset`. The CTAs take tiles from `tile_counter` (zeroed by the table's kernel).
+  // Unused (null) in the dense forward.
   const int* blocks;
   int block_count;
   bool bottom_right;

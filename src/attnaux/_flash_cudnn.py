@@ -828,14 +828,12 @@ def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_of
                 kv_offsets, q_keep, kv_keep):
     args = (q, k, v, q_len, kv_len, q_offsets, kv_offsets, q_keep, kv_keep)
     if cfg.forward_kernel is not None:
-        # attnaux's CUDA forward over the packed tokens (`_hopper_packed.cuda_forward`): out
-        # (rows that no sequence covers zeroed here, as after cuDNN's), and lse and max per
-        # token `[1, Hq, Tq]` (-inf for a row that sees no key; the caller hides the tokens
-        # that no sequence covers); cuDNN's backward takes the lse per sequence as its stats,
-        # gathered only when differentiating
-        out, lse, row_max = cfg.forward_kernel(cfg, q, k, v, q_len, kv_len, q_offsets,
-                                               kv_offsets)
-        out = _zero_rows(out, q_keep)
+        # attnaux's CUDA forward over the packed tokens (`_hopper_packed.cuda_forward`): out,
+        # lse and max per token `[1, Hq, Tq]`, every row written (a row that sees no key, or
+        # that no sequence covers: 0, -inf, -inf; the lengths follow from the offsets and
+        # `max_seqlen_*`, as `q_len`/`kv_len` do); cuDNN's backward takes the lse per sequence
+        # as its stats, gathered only when differentiating
+        out, lse, row_max = cfg.forward_kernel(cfg, q, k, v, q_offsets, kv_offsets)
         stats = None
         if differentiating:
             rows = q_offsets[:-1, None] + jnp.arange(cfg.max_seqlen_q, dtype=jnp.int32)[None, :]
@@ -933,7 +931,7 @@ def ragged_attention_cuda(q, k, v, *, q_offsets, kv_offsets, q_len, kv_len, q_ke
                           forward_kernel: Callable | None = None):
     """`(out [Tq, Hq, Dv], lse, max)` of packed sequences through cuDNN's ragged layout, the
     statistics per sequence `[num_seqs, Hq, max_seqlen_q]` (with `forward_kernel`: per token
-    `[Hq, Tq]`, the tokens that no sequence covers left to the caller to hide)
+    `[Hq, Tq]`, -inf at the tokens that no sequence covers)
     (`ragged_unavailable` is None; no sink: the caller adds it). `*_offsets`: int32 `[n + 1]`
     token offsets, non-decreasing, within the tokens; `*_len`: int32 `[n]`, each at most its
     span and `max_seqlen_*`;

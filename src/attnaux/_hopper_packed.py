@@ -36,7 +36,7 @@ import numpy as np
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
 from ._kernel_call import SHARED, KernelOp, add_sink
-from ._masking import diagonal_shift, token_rows
+from ._masking import diagonal_shift
 from ._partition import (
     BATCH,
     HEADS,
@@ -437,7 +437,7 @@ _CUDA_LAYOUTS = {
     "q": ("one", "q_tokens", HEADS, "qk_dim"), "k": ("one", "kv_tokens", KV_HEADS, "qk_dim"),
     "v": ("one", "kv_tokens", KV_HEADS, "v_dim"), "out": ("one", "q_tokens", HEADS, "v_dim"),
     "lse": ("one", HEADS, "q_tokens"), "max": ("one", HEADS, "q_tokens"),
-    "q_len": ("seqs",), "kv_len": ("seqs",), "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
+    "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
 }
 
 
@@ -467,60 +467,30 @@ def cuda_forward_unavailable(q, k, v, options: Options) -> str | None:
     return None
 
 
-def _cuda_blocks(q_len, kv_len, q_offsets, kv_offsets, max_seqlen_q: int, total_q: int):
-    """int32 `[5, P]`, the CUDA forward's query blocks of 128 rows (`FwdParams::blocks`): per
-    block its index in its sequence (-1 after the last block), the sequence's first query token,
-    query tokens, first key token and keys. The longest sequences first (ties in their order),
-    each sequence's blocks together, its last block first: under a causal mask the heaviest
-    tiles come first and the tile counter hands the light ones out at the end, with the tiles
-    at work on a few sequences' K and V at a time. `P` bounds the blocks: at most one a
-    sequence more than the whole blocks of its tokens."""
-    rows = hopper.CUDA_FORWARD_ROWS
-    n = q_len.shape[0]
-    most = -(-max_seqlen_q // rows)
-    bound = max(1, min(n * most, total_q // rows + n))
-    if n == 0:
-        return jnp.full((5, bound), -1, jnp.int32)
-    blocks = (q_len + rows - 1) // rows  # [n]
-    # the sequences by their blocks, most first (comparisons for up to 1024 sequences: a fused
-    # pass each, where XLA's sort is a kernel of its own)
-    if n <= 1024:
-        s = jnp.arange(n, dtype=jnp.int32)
-        before = (blocks[None, :] > blocks[:, None]) | (
-            (blocks[None, :] == blocks[:, None]) & (s[None, :] < s[:, None]))
-        rank = jnp.sum(before, axis=1, dtype=jnp.int32)  # [n], a permutation
-        order = jnp.sum(jnp.where(rank[None, :] == s[:, None], s[None, :], 0), axis=1,
-                        dtype=jnp.int32)
-    else:
-        order = jnp.argsort(-blocks, stable=True).astype(jnp.int32)
-    blocks = blocks[order]
-    # block g of the table is block `pos` of sequence `seq` (in `order`), as a token of packed
-    # sequences is (`token_rows`: counting by comparison, one fusion; a nonzero's scatter and
-    # running sum were four, ~10 us of small kernels on an H100)
-    offsets = jnp.concatenate([jnp.zeros((1,), blocks.dtype), jnp.cumsum(blocks)])
-    seq, pos, listed = token_rows(offsets, blocks, bound)
-    m_block = jnp.where(listed, blocks[seq] - 1 - pos, -1)  # the sequence's last block first
-    at = order[seq]
-    return jnp.stack([m_block, q_offsets[at], q_len[at], kv_offsets[at], kv_len[at]]).astype(
-        jnp.int32)
+def cuda_block_count(total_q: int, num_seqs: int) -> int:
+    """The CUDA forward's block table's length (`FwdParams::blocks`): a bound on the 128-row
+    blocks of its runs (each sequence's tokens, its tokens past `max_seqlen_q`, the tokens past
+    the last sequence: `2 num_seqs + 1` runs of `total_q` tokens, each at most one block more
+    than its whole blocks)."""
+    return total_q // hopper.CUDA_FORWARD_ROWS + 2 * num_seqs + 1
 
 
-def cuda_forward(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets):
+def cuda_forward(cfg, q, k, v, q_offsets, kv_offsets):
     """`(out [1, Tq, Hq, D], lse, max)` of packed sequences on attnaux's CUDA C++ Hopper forward
     (`cuda_forward_unavailable` is None), the statistics per token `[1, Hq, Tq]` (cuDNN's
     ragged backward differentiates this: `_flash_cudnn`'s `Config.forward_kernel` with
     `ragged`). `cfg`: the GPU flash backend's `Config` (scale, causal, window,
-    `max_seqlen_*`); the other operands as `_flash_cudnn.ragged_attention_cuda`'s, with a
-    leading 1 on q, k and v. Only rows that a sequence covers are written: the caller zeroes
-    the others' out and hides their statistics."""
-    max_q = int(cfg.max_seqlen_q)
+    `max_seqlen_*`); q, k and v with a leading 1; `*_offsets` int32 `[n + 1]`, non-decreasing
+    within the tokens (`_varlen._packing`'s), sequence i's lengths `min(span, max_seqlen_*)`.
+    Every row is written: the tokens that no sequence covers (past a sequence's
+    `max_seqlen_q`, past the last sequence) and the rows that see no key get out 0 and
+    lse = max = -inf."""
     op = _cuda_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
-                  int(cfg.window_right), max_q, int(cfg.max_seqlen_kv))
+                  int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv))
     # (the keys past a sequence's end in its last key block, the next sequence's or padding,
     # have their V rows zeroed by the kernel, as 0 * NaN is NaN in the tensor cores: no
     # pass over V here)
-    r = op(q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
-           kv_offsets=kv_offsets)
+    r = op(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets)
     return r["out"], r["lse"], r["max"]
 
 
@@ -543,15 +513,21 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
         stats = jax.ShapeDtypeStruct((1, q.shape[2], q.shape[1]), jnp.float32)
         return (jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats)
 
-    def kernel(q, k, v, q_len, kv_len, q_offsets, kv_offsets):
-        blocks = _cuda_blocks(q_len, kv_len, q_offsets, kv_offsets, max_q, q.shape[1])
-        grid = max(1, min(hopper._sm_count(), blocks.shape[1] * q.shape[2]))
-        out, lse, row_max, _ = jax.ffi.ffi_call(CUDA_FORWARD_TARGET, (
-            *shapes(dict(q=q)), jax.ShapeDtypeStruct((1,), jnp.int32)))(
-            q, k, v, blocks.astype(jnp.int32), grid=np.int64(grid), **attrs)
+    def kernel(q, k, v, q_offsets, kv_offsets):
+        # (the block table is built on the device from the offsets, by the handler's first
+        # kernel: csrc/cuda/hopper_fwd_packed_table.cuh)
+        n = q_offsets.shape[0] - 1
+        blocks = cuda_block_count(q.shape[1], n)
+        grid = max(1, min(hopper._sm_count(), blocks * q.shape[2]))
+        work = jax.ShapeDtypeStruct((5 * blocks + 2 * n + 2,), jnp.int32)
+        out, lse, row_max, _ = jax.ffi.ffi_call(
+            CUDA_FORWARD_TARGET, (*shapes(dict(q=q)), work))(
+            q, k, v, q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32),
+            grid=np.int64(grid), block_count=np.int64(blocks), max_seqlen_q=np.int64(max_q),
+            max_seqlen_kv=np.int64(max_kv), **attrs)
         return out, lse, row_max
 
-    names = ("q", "k", "v", "q_len", "kv_len", "q_offsets", "kv_offsets")
+    names = ("q", "k", "v", "q_offsets", "kv_offsets")
     return KernelOp(CUDA_FORWARD_TARGET, tuple((name, SHARED) for name in names),
                     ("out", "lse", "max"), shapes, {}, kernel=kernel, sequential=True,
                     layout=lambda name, shape: _CUDA_LAYOUTS[name])

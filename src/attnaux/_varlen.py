@@ -233,12 +233,13 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             )
             out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
-        if mode == "cuda":  # (per token already)
-            lse_t, max_t = lse_pad, max_pad
-        elif mode != "hopper":
-            lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
-        lse = jnp.where(hidden, -jnp.inf, lse_t)
-        row_max = jnp.where(hidden, -jnp.inf, max_t)
+        if mode == "cuda":  # per token, the tokens that no sequence covers at -inf already
+            lse, row_max = lse_pad, max_pad
+        else:
+            if mode != "hopper":
+                lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
+            lse = jnp.where(hidden, -jnp.inf, lse_t)
+            row_max = jnp.where(hidden, -jnp.inf, max_t)
         if mode in ("ragged", "cuda") and sink is not None:  # the other calls added it already
             out, lse_sink = add_sink(out[None], lse[None], sink)
             out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])

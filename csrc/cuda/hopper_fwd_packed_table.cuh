@@ -1,0 +1,125 @@
+// The block table of the packed Hopper forward (hopper_fwd_packed.cu), built on the device from
+// the sequences' offsets by one CTA launched just before the forward on the same stream: the
+// lengths are data, so no table is known at trace time, and building it in XLA took six small
+// fusions and a memset (~11 us of an H100 before the kernel started, against FlashAttention-3's
+// one 2.7 us `prepare_varlen_num_blocks`).
+//
+// A *run* is a stretch of query tokens with one set of keys: each sequence's first
+// min(length, max_seqlen_q) tokens (its keys: the first min(length, max_seqlen_kv) of its key
+// span); the tokens of a sequence past max_seqlen_q, and the tokens past the last sequence,
+// are runs without keys, so that the forward writes their rows too (out 0, lse = max = -inf:
+// what `varlen_attention` returns for tokens that no sequence covers), with no pass over out
+// after it. The table (FwdParams::blocks, int32 [5, blocks]) lists each run's blocks of 128
+// rows: the sequences with the most blocks first (a counting sort by blocks; sequences of
+// kBuckets - 1 blocks or more share a bucket), each sequence's last block first (under a
+// causal mask its heaviest), the runs without keys last; entries past the last block hold
+// m_block -1. The order within a bucket follows the CTA's atomics: it changes which CTA takes
+// which tile, never a result (no tile reads another's output).
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+namespace attnaux_hopper {
+
+struct PackedTableParams {
+  const int* q_offsets;   // [num_seqs + 1], non-decreasing, within [0, total_q]
+  const int* kv_offsets;  // [num_seqs + 1], non-decreasing, within [0, total_kv]
+  int num_seqs, total_q, max_seqlen_q, max_seqlen_kv;
+  int* blocks;  // [5, block_count]
+  int block_count;
+  int* run_start;  // [2 * num_seqs + 1] scratch: each run's first entry
+  int* tile_counter;
+};
+
+constexpr int kTableThreads = 1024;
+constexpr int kTableBuckets = 2048;  // (2 per thread in the scan)
+constexpr int kTableRows = 128;      // the forward's query block (FwdTraits' M)
+
+// Run r of the call: r < n sequence r's tokens with keys; n <= r < 2n sequence r - n's tokens
+// past max_seqlen_q; 2n the tokens past the last sequence.
+struct PackedRun {
+  int q_off, q_len, kv_off, kv_len, n_blocks;
+};
+
+__device__ inline PackedRun RunOf(const PackedTableParams& t, int r) {
+  const int n = t.num_seqs;
+  PackedRun run{};
+  if (r == 2 * n) {
+    run.q_off = t.q_offsets[n];
+    run.q_len = t.total_q - run.q_off;
+  } else {
+    const int i = r < n ? r : r - n;
+    const int span = t.q_offsets[i + 1] - t.q_offsets[i];
+    const int in = min(span, t.max_seqlen_q);
+    if (r < n) {
+      run.q_off = t.q_offsets[i];
+      run.q_len = in;
+      run.kv_off = t.kv_offsets[i];
+      run.kv_len = min(t.kv_offsets[i + 1] - t.kv_offsets[i], t.max_seqlen_kv);
+    } else {
+      run.q_off = t.q_offsets[i] + in;
+      run.q_len = span - in;
+    }
+  }
+  run.q_len = max(run.q_len, 0);
+  run.kv_len = max(run.kv_len, 0);
+  run.n_blocks = (run.q_len + kTableRows - 1) / kTableRows;
+  return run;
+}
+
+__device__ inline int BucketOf(const PackedTableParams& t, int r, int n_blocks) {
+  // the runs without keys in bucket 0, the last in the order
+  return r < t.num_seqs ? min(n_blocks, kTableBuckets - 1) : 0;
+}
+
+__global__ void __launch_bounds__(kTableThreads) PackedTableKernel(PackedTableParams t) {
+  using Scan = cub::BlockScan<int, kTableThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int cursor[kTableBuckets];  // blocks in the bucket, then its next free entry
+  __shared__ int used;
+  const int tid = threadIdx.x;
+  const int runs = 2 * t.num_seqs + 1;
+  for (int b = tid; b < kTableBuckets; b += kTableThreads) cursor[b] = 0;
+  if (tid == 0) *t.tile_counter = 0;
+  __syncthreads();
+  for (int r = tid; r < runs; r += kTableThreads) {
+    const PackedRun run = RunOf(t, r);
+    if (run.n_blocks > 0) atomicAdd(&cursor[BucketOf(t, r, run.n_blocks)], run.n_blocks);
+  }
+  __syncthreads();
+  // each bucket's first entry: the blocks of the buckets above it (thread i holds buckets
+  // kTableBuckets - 1 - 2i and the one below)
+  const int hi = kTableBuckets - 1 - 2 * tid;
+  const int mine[2] = {cursor[hi], cursor[hi - 1]};
+  int before, total;
+  Scan(scan_storage).ExclusiveSum(mine[0] + mine[1], before, total);
+  cursor[hi] = before;
+  cursor[hi - 1] = before + mine[0];
+  if (tid == 0) used = total;
+  __syncthreads();
+  for (int r = tid; r < runs; r += kTableThreads) {
+    const PackedRun run = RunOf(t, r);
+    t.run_start[r] =
+        run.n_blocks > 0 ? atomicAdd(&cursor[BucketOf(t, r, run.n_blocks)], run.n_blocks) : 0;
+  }
+  __syncthreads();  // (global writes of this CTA: visible to it after the barrier)
+  // a warp a run: its lanes write the run's blocks, the last block first
+  const int warp = tid / 32, lane = tid % 32, stride = t.block_count;
+  for (int r = warp; r < runs; r += kTableThreads / 32) {
+    const PackedRun run = RunOf(t, r);
+    const int start = t.run_start[r];
+    // (the offsets' contract keeps every block inside the table; the bound keeps a broken one
+    // from writing past it)
+    for (int j = lane; j < run.n_blocks && start + j < stride; j += 32) {
+      int* entry = t.blocks + start + j;
+      entry[0] = run.n_blocks - 1 - j;
+      entry[stride] = run.q_off;
+      entry[2 * stride] = run.q_len;
+      entry[3 * stride] = run.kv_off;
+      entry[4 * stride] = run.kv_len;
+    }
+  }
+  for (int g = used + tid; g < t.block_count; g += kTableThreads) t.blocks[g] = -1;
+}
+
+}  // namespace attnaux_hopper
