@@ -354,15 +354,16 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
 
 def _cuda_table_reference(cu_q, cu_kv, total_q, max_q, max_kv):
     """The CUDA forward's runs (hopper_fwd_packed_table.cuh) in NumPy: `(bucket, q_off, q_len,
-    kv_off, kv_len, blocks)` for each sequence's tokens up to `max_q`, its tokens past it and
-    the tokens past the last sequence (no keys, bucket -1: last)."""
+    kv_off, kv_len, seq, blocks)` for each sequence's tokens up to `max_q`, its tokens past it
+    and the tokens past the last sequence (no keys, sequence -1, bucket -1: last)."""
     runs = []
     for i in range(len(cu_q) - 1):
         span = int(cu_q[i + 1] - cu_q[i])
         q_len, kv_len = min(span, max_q), min(int(cu_kv[i + 1] - cu_kv[i]), max_kv)
-        runs.append((min(-(-q_len // 128), 2047), int(cu_q[i]), q_len, int(cu_kv[i]), kv_len))
-        runs.append((-1, int(cu_q[i]) + q_len, span - q_len, 0, 0))
-    runs.append((-1, int(cu_q[-1]), total_q - int(cu_q[-1]), 0, 0))
+        runs.append((min(-(-q_len // 128), 2047), int(cu_q[i]), q_len, int(cu_kv[i]), kv_len,
+                     i))
+        runs.append((-1, int(cu_q[i]) + q_len, span - q_len, 0, 0, -1))
+    runs.append((-1, int(cu_q[-1]), total_q - int(cu_q[-1]), 0, 0, -1))
     return [(*run, -(-run[2] // 128)) for run in runs if run[2] > 0]
 
 
@@ -378,7 +379,8 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
     to `max_seqlen_q` with its keys; its tokens past that, and the tokens past the last
     sequence, without keys), the sequences with the most blocks first and the runs without keys
     last, each run's blocks together, its last first; -1 after the last block. The rows of the
-    runs without keys (NaN in q there) come out 0 with lse = max = -inf."""
+    runs without keys (NaN in q there) come out 0 with lse = max = -inf; the statistics per
+    sequence for cuDNN's backward are the lse of the sequence's rows, +inf where it is -inf."""
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens = np.asarray(q_lens, np.int32)
@@ -390,20 +392,22 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
     k = v = jax.random.normal(jax.random.fold_in(key, 1), (1, total_kv, 2, 64), jnp.bfloat16)
     runs = _cuda_table_reference(cu_q, cu_kv, total_q, max_q, max_kv)
     keyless = np.zeros(total_q, bool)
-    for _, q_off, q_len, _, kv_len, _ in runs:
+    for _, q_off, q_len, _, kv_len, _, _ in runs:
         keyless[q_off:q_off + q_len] = kv_len == 0
     q = jnp.where(jnp.asarray(keyless)[None, :, None, None], jnp.nan, q)
     n = len(q_lens)
     count = _hopper_packed.cuda_block_count(total_q, n)
     stats = jax.ShapeDtypeStruct((1, 2, total_q), jnp.float32)
-    out, lse, row_max, work = jax.ffi.ffi_call(_hopper_packed.CUDA_FORWARD_TARGET, (
-        jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats,
-        jax.ShapeDtypeStruct((5 * count + 2 * n + 2,), jnp.int32)))(
+    out, lse, row_max, per_sequence, work = jax.ffi.ffi_call(
+        _hopper_packed.CUDA_FORWARD_TARGET, (
+            jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats,
+            jax.ShapeDtypeStruct((n, 2, max_q), jnp.float32),
+            jax.ShapeDtypeStruct((6 * count + 2 * n + 2,), jnp.int32)))(
         q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), grid=np.int64(8),
         block_count=np.int64(count), max_seqlen_q=np.int64(max_q),
         max_seqlen_kv=np.int64(max_kv), scale=np.float32(0.125), bottom_right=np.int32(0),
         has_upper=np.int32(0), upper=np.int64(0), has_lower=np.int32(0), lower=np.int64(0))
-    table = np.asarray(work)[:5 * count].reshape(5, count)
+    table = np.asarray(work)[:6 * count].reshape(6, count)
     used = sum(run[-1] for run in runs)
     assert (table[0, used:] == -1).all()
     at = 0
@@ -411,9 +415,9 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
     by_start = {run[1]: run for run in runs if run[-1] > 0}
     while at < used:  # each run's blocks together, its last block first
         run = by_start[int(table[1, at])]
-        bucket, q_off, q_len, kv_off, kv_len, blocks = run
+        bucket, q_off, q_len, kv_off, kv_len, seq, blocks = run
         want = np.stack([np.arange(blocks)[::-1], *(np.full(blocks, x)
-                                                    for x in (q_off, q_len, kv_off, kv_len))])
+                                                    for x in (q_off, q_len, kv_off, kv_len, seq))])
         np.testing.assert_array_equal(table[:, at:at + blocks], want)
         buckets.append(bucket)
         del by_start[q_off]
@@ -424,6 +428,12 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
     assert np.isneginf(np.asarray(lse[0][:, keyless])).all()
     assert np.isneginf(np.asarray(row_max[0][:, keyless])).all()
     assert np.isfinite(np.asarray(out[0, ~keyless], np.float32)).all()
+    lse, per_sequence = np.asarray(lse[0]), np.asarray(per_sequence)
+    for i in range(n):
+        q_len = min(int(q_lens[i]), max_q)
+        want = lse[:, cu_q[i]:cu_q[i] + q_len]
+        np.testing.assert_array_equal(per_sequence[i, :, :q_len],
+                                      np.where(np.isneginf(want), np.inf, want))
 
 
 @gpu_only

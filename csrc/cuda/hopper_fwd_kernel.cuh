@@ -104,8 +104,8 @@ struct FwdTraits {
     alignas(8) uint64_t k_empty[kStages];  // K released once S is done, V once P V is
     alignas(8) uint64_t v_empty[kStages];
     // packed sequences: the tile the producer took from the counter, decoded (valid, m_block,
-    // h, n_lo, n_blocks, q_base, q_len, kv_len, offset: Tile's fields the consumers use)
-    int tile_slot[9];
+    // h, n_lo, n_blocks, q_base, q_len, kv_len, offset, seq: Tile's fields the consumers use)
+    int tile_slot[10];
   };
   // the dynamic shared memory is aligned by hand to the swizzle atoms' 1024 bytes
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   struct Tile {
     bool valid;
     int m_block, h, b, n_lo, n_blocks;
-    int q_base, k_base, q_len, kv_len, offset;  // packed sequences only
+    int q_base, k_base, q_len, kv_len, offset, seq;  // packed sequences only
   };
   auto q_base_of = [&](const Tile& tile) { return kPacked ? tile.q_base : 0; };
   auto k_base_of = [&](const Tile& tile) { return kPacked ? tile.k_base : 0; };
@@ -204,6 +204,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       tile.q_len = block[2 * stride];
       tile.k_base = block[3 * stride];
       tile.kv_len = block[4 * stride];
+      tile.seq = block[5 * stride];
       tile.valid = tile.m_block >= 0;
       if (!tile.valid) return tile;
       tile.h = t % p.q_heads;
@@ -338,6 +339,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             slot[6] = tile.q_len;
             slot[7] = tile.kv_len;
             slot[8] = tile.offset;
+            slot[9] = tile.seq;
           }
           named_arrive(kTileFullBarrier, kTileSlotThreads);
           named_arrive(kTileFullBarrier + 2, kTileSlotThreads);
@@ -406,6 +408,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       tile.q_len = slot[6];
       tile.kv_len = slot[7];
       tile.offset = slot[8];
+      tile.seq = slot[9];
       named_arrive(kTileEmptyBarrier + 2 * wg, kTileSlotThreads);
     } else {
       if (entry >= list_end) break;
@@ -639,6 +642,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (!kPacked || row < q_len) {
           p.lse[at + row] = lse[r];
           p.max[at + row] = mx_out[r];
+        }
+        if constexpr (kPacked) {
+          // cuDNN's ragged statistics (FwdParams::stats): +inf where P is 0 throughout
+          if (p.stats != nullptr && tile.seq >= 0 && row < p.stats_rows) {
+            const bool counted = row < q_len && lse[r] != -kInf;
+            p.stats[(int64_t(tile.seq) * p.q_heads + head) * p.stats_rows + row] =
+                counted ? lse[r] : kInf;
+          }
         }
       }
     }

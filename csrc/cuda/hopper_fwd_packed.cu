@@ -44,6 +44,7 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                ffi::Result<ffi::Buffer<ffi::F32>> row_max,
+                               ffi::Result<ffi::Buffer<ffi::F32>> stats,
                                ffi::Result<ffi::Buffer<ffi::S32>> work) {
   if (ffi::Error bad = CheckForwardOperands(kTarget, q, k, v, *out, lse->dimensions(),
                                             row_max->dimensions());
@@ -65,13 +66,21 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                     BracketShape(od) + " and " +
                                     BracketShape(kv_offsets.dimensions()) + ".");
   }
-  // work: the block table [5, block_count], each run's first entry [2 num_seqs + 1], the tile
+  // work: the block table [6, block_count], each run's first entry [2 num_seqs + 1], the tile
   // counter
-  const int64_t work_size = 5 * block_count + 2 * num_seqs + 2;
+  const int64_t work_size = 6 * block_count + 2 * num_seqs + 2;
   if (block_count < 1 || !SameDims(work->dimensions(), {work_size})) {
-    return AttnInvalid(kTarget, "work must be int32 [5 block_count + 2 num_seqs + 2] = [" +
+    return AttnInvalid(kTarget, "work must be int32 [6 block_count + 2 num_seqs + 2] = [" +
                                     std::to_string(work_size) + "] with block_count >= 1, got " +
                                     BracketShape(work->dimensions()) + ".");
+  }
+  // stats: cuDNN's ragged statistics [num_seqs, q_heads, max_seqlen_q], or [0] for none
+  const bool with_stats = !attnaux::Absent(stats->dimensions());
+  if (with_stats && !SameDims(stats->dimensions(), {num_seqs, q_heads, max_seqlen_q})) {
+    return AttnInvalid(kTarget, "stats must be float32 [num_seqs, q_heads, max_seqlen_q] = [" +
+                                    std::to_string(num_seqs) + ", " + std::to_string(q_heads) +
+                                    ", " + std::to_string(max_seqlen_q) + "] or [0], got " +
+                                    BracketShape(stats->dimensions()) + ".");
   }
   // (block_count bounds each run's blocks: total_q / 128 + one a run, runs 2 num_seqs + 1)
   if (block_count < total_q / 128 + 2 * num_seqs + 1) {
@@ -105,6 +114,8 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   p.bottom_right = bottom_right != 0;
   p.tile_counter = work_data + work_size - 1;
   p.grid = int(grid);
+  p.stats = with_stats ? stats->typed_data() : nullptr;
+  p.stats_rows = int(max_seqlen_q);
   if (total_q == 0 || q_heads == 0) return ffi::Error::Success();  // (nothing to write)
 
   PackedTableParams table{};
@@ -116,7 +127,7 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   table.max_seqlen_kv = int(max_seqlen_kv);
   table.blocks = work_data;
   table.block_count = int(block_count);
-  table.run_start = work_data + 5 * block_count;
+  table.run_start = work_data + 6 * block_count;
   table.tile_counter = p.tile_counter;
   PackedTableKernel<<<1, kTableThreads, 0, stream>>>(table);
   cudaError_t err = cudaGetLastError();
@@ -150,5 +161,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperFwdPackedCuda, attnaux_hopper::Hopper
                                   .Ret<ffi::AnyBuffer>()           // out [1, Tq, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // lse [1, Hq, Tq]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // max [1, Hq, Tq]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // stats [n, Hq, max_q] or [0]
                                   .Ret<ffi::Buffer<ffi::S32>>(),   // work (table, counter)
                               {ffi::Traits::kCmdBufferCompatible});

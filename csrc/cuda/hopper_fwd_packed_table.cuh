@@ -9,8 +9,8 @@
 // span); the tokens of a sequence past max_seqlen_q, and the tokens past the last sequence,
 // are runs without keys, so that the forward writes their rows too (out 0, lse = max = -inf:
 // what `varlen_attention` returns for tokens that no sequence covers), with no pass over out
-// after it. The table (FwdParams::blocks, int32 [5, blocks]) lists each run's blocks of 128
-// rows: the sequences with the most blocks first (a counting sort by blocks; sequences of
+// after it. The table (FwdParams::blocks, int32 [6, blocks]) lists each run's blocks of 128
+// rows (and each block's sequence, -1 for a run without keys): the sequences with the most blocks first (a counting sort by blocks; sequences of
 // kBuckets - 1 blocks or more share a bucket), each sequence's last block first (under a
 // causal mask its heaviest), the runs without keys last; entries past the last block hold
 // m_block -1. The order within a bucket follows the CTA's atomics: it changes which CTA takes
@@ -25,7 +25,7 @@ struct PackedTableParams {
   const int* q_offsets;   // [num_seqs + 1], non-decreasing, within [0, total_q]
   const int* kv_offsets;  // [num_seqs + 1], non-decreasing, within [0, total_kv]
   int num_seqs, total_q, max_seqlen_q, max_seqlen_kv;
-  int* blocks;  // [5, block_count]
+  int* blocks;  // [6, block_count]
   int block_count;
   int* run_start;  // [2 * num_seqs + 1] scratch: each run's first entry
   int* tile_counter;
@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(kTableThreads) PackedTableKernel(PackedTablePa
       entry[2 * stride] = run.q_len;
       entry[3 * stride] = run.kv_off;
       entry[4 * stride] = run.kv_len;
+      entry[5 * stride] = r < t.num_seqs ? r : -1;
     }
   }
   for (int g = used + tid; g < t.block_count; g += kTableThreads) t.blocks[g] = -1;

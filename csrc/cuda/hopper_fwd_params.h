@@ -36,11 +36,17 @@ struct FwdParams : HopperGeometry {
   // t % q_heads. The visibility fields apply within each sequence (its rows and keys counted
   // from its first token; q_len and kv_len its own), `bottom_right` adding its kv_len - q_len
   // to `offset`. The CTAs take tiles from `tile_counter` (zeroed by the table's kernel).
-  // Unused (null) in the dense forward.
+  // `blocks` has a sixth row, each block's sequence (-1: a run without keys), for `stats`:
+  // where not null, the lse per sequence as cuDNN's ragged backward reads it, float32
+  // [num_seqs, q_heads, stats_rows] (stats_rows = max_seqlen_q), +inf for a row that sees no
+  // key (its recomputed P 0) and for the rows of a sequence's last block past its end; the
+  // rows past that block are not written (not read). Unused (null) in the dense forward.
   const int* blocks;
   int block_count;
   bool bottom_right;
   int* tile_counter;
+  float* stats;
+  int stats_rows;
 };
 
 }  // namespace attnaux_hopper

@@ -76,18 +76,18 @@ layout was 1.08-1.64x faster forward and 1.21-1.40x forward+backward (FA3 / ragg
 forward, 0.81-0.87x forward+backward; FA3 / Hopper kernels 0.48-0.72x, 0.59-0.67x). The Hopper
 kernels serve what the ragged layout cannot."""
 GPU_VARLEN_CUDA_FORWARD = True
-GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 2048
+GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 256
 """Where `varlen_attention` on GPU `flash` (where cuDNN's ragged layout serves it) runs the
 forward on attnaux's CUDA C++ Hopper kernel over the packed tokens (`_hopper_packed.
-cuda_forward`: a tile counter hands out (sequence, 128-row block, head) tiles, each visiting only
-its sequence's key blocks) and differentiates it with cuDNN's ragged backward: with the switch
-on, a Hopper GPU, bf16/f16, head dim 64/128/256, no softcap or dropout, and `max_seqlen_q` at
-least `GPU_VARLEN_CUDA_FORWARD_MIN_SEQ`. Measured on an H100 (`benchmarks/varlen_gpu.py`,
-causal, 16 heads x 128, bf16, 2026-11-27; docs/performance.md), CUDA forward / cuDNN's ragged
-forward in time: documents of 4096 tokens 0.93x (forward+backward 0.98x); of 1024, 1.03x and
-0.99x (16 and 8 documents), forward+backward 1.01x; of 256, 0.98x; varied lengths up to ~1.75x
-the mean 0.97x and 1.02x, forward+backward 1.06x and 1.02x. So it serves the long documents,
-where it was ahead; below 2048 tokens the two tie or cuDNN leads, and cuDNN keeps them."""
+cuda_forward`: a one-CTA kernel builds the block table from the offsets, then a tile counter
+hands out (run, 128-row block, head) tiles, each visiting only its sequence's key blocks; it
+writes every row, the lse per sequence for the backward too) and differentiates it with
+cuDNN's ragged backward: with the switch on, a Hopper GPU, bf16/f16, head dim 64/128/256, no
+softcap or dropout, and `max_seqlen_q` at least `GPU_VARLEN_CUDA_FORWARD_MIN_SEQ`. Measured on
+an H100 (`benchmarks/varlen_gpu.py`, causal, 16 heads x 128, bf16, 2026-11-28;
+docs/performance.md), CUDA forward / cuDNN's ragged forward in time, since the table moved onto
+the device: 0.88-0.96x at documents of 256 to 4096 tokens, equal and varied lengths (forward
++backward 0.97-0.99x). Below 256 tokens the two were not measured, and cuDNN keeps them."""
 FLASH_HOPPER_FORWARD = Implementation(  # `_flash_cudnn` with the Hopper kernel's forward
     types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
                           run=functools.partial(_flash_cudnn.run,

@@ -831,15 +831,10 @@ def _ragged_fwd(cfg: Config, differentiating: bool, q, k, v, q_len, kv_len, q_of
         # attnaux's CUDA forward over the packed tokens (`_hopper_packed.cuda_forward`): out,
         # lse and max per token `[1, Hq, Tq]`, every row written (a row that sees no key, or
         # that no sequence covers: 0, -inf, -inf; the lengths follow from the offsets and
-        # `max_seqlen_*`, as `q_len`/`kv_len` do); cuDNN's backward takes the lse per sequence
-        # as its stats, gathered only when differentiating
-        out, lse, row_max = cfg.forward_kernel(cfg, q, k, v, q_offsets, kv_offsets)
-        stats = None
-        if differentiating:
-            rows = q_offsets[:-1, None] + jnp.arange(cfg.max_seqlen_q, dtype=jnp.int32)[None, :]
-            rows = jnp.clip(rows, 0, q.shape[1] - 1)  # [n, max_q]; past a sequence: not read
-            stats = jnp.moveaxis(lse[0][:, rows], 0, 1)
-            stats = jnp.where(stats == -jnp.inf, jnp.inf, stats)  # P = 0: the row sees nothing
+        # `max_seqlen_*`, as `q_len`/`kv_len` do); when differentiating, also the lse per
+        # sequence as cuDNN's backward takes it (its stats, written by the same kernel)
+        out, lse, row_max, stats = cfg.forward_kernel(cfg, q, k, v, q_offsets, kv_offsets,
+                                                      differentiating)
         return (out, lse, row_max), (args, out, stats)
     r = _ragged_ops(cfg)[0](q=q, k=k, v=v, q_len=q_len, kv_len=kv_len, q_offsets=q_offsets,
                             kv_offsets=kv_offsets, q_keep=q_keep)

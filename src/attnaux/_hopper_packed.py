@@ -437,7 +437,7 @@ _CUDA_LAYOUTS = {
     "q": ("one", "q_tokens", HEADS, "qk_dim"), "k": ("one", "kv_tokens", KV_HEADS, "qk_dim"),
     "v": ("one", "kv_tokens", KV_HEADS, "v_dim"), "out": ("one", "q_tokens", HEADS, "v_dim"),
     "lse": ("one", HEADS, "q_tokens"), "max": ("one", HEADS, "q_tokens"),
-    "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
+    "stats": ("seqs", HEADS, "q_seq"), "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
 }
 
 
@@ -475,28 +475,30 @@ def cuda_block_count(total_q: int, num_seqs: int) -> int:
     return total_q // hopper.CUDA_FORWARD_ROWS + 2 * num_seqs + 1
 
 
-def cuda_forward(cfg, q, k, v, q_offsets, kv_offsets):
-    """`(out [1, Tq, Hq, D], lse, max)` of packed sequences on attnaux's CUDA C++ Hopper forward
-    (`cuda_forward_unavailable` is None), the statistics per token `[1, Hq, Tq]` (cuDNN's
-    ragged backward differentiates this: `_flash_cudnn`'s `Config.forward_kernel` with
-    `ragged`). `cfg`: the GPU flash backend's `Config` (scale, causal, window,
+def cuda_forward(cfg, q, k, v, q_offsets, kv_offsets, with_stats: bool = False):
+    """`(out [1, Tq, Hq, D], lse, max, stats)` of packed sequences on attnaux's CUDA C++
+    Hopper forward (`cuda_forward_unavailable` is None), the statistics per token `[1, Hq, Tq]`
+    (cuDNN's ragged backward differentiates this: `_flash_cudnn`'s `Config.forward_kernel`
+    with `ragged`). `cfg`: the GPU flash backend's `Config` (scale, causal, window,
     `max_seqlen_*`); q, k and v with a leading 1; `*_offsets` int32 `[n + 1]`, non-decreasing
     within the tokens (`_varlen._packing`'s), sequence i's lengths `min(span, max_seqlen_*)`.
     Every row is written: the tokens that no sequence covers (past a sequence's
     `max_seqlen_q`, past the last sequence) and the rows that see no key get out 0 and
-    lse = max = -inf."""
+    lse = max = -inf. `with_stats`: `stats` is the lse per sequence as cuDNN's ragged backward
+    takes it, `[n, Hq, max_seqlen_q]`, +inf where a row sees no key (None without)."""
     op = _cuda_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
-                  int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv))
+                  int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv),
+                  bool(with_stats))
     # (the keys past a sequence's end in its last key block, the next sequence's or padding,
     # have their V rows zeroed by the kernel, as 0 * NaN is NaN in the tensor cores: no
     # pass over V here)
     r = op(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets)
-    return r["out"], r["lse"], r["max"]
+    return r["out"], r["lse"], r["max"], r.get("stats")
 
 
 @functools.cache
 def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
-             max_kv: int):
+             max_kv: int, with_stats: bool):
     window = None
     if window_left >= 0 or window_right >= 0:
         unbounded = max_q + max_kv
@@ -510,8 +512,11 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
 
     def shapes(ops):
         q = ops["q"]
-        stats = jax.ShapeDtypeStruct((1, q.shape[2], q.shape[1]), jnp.float32)
-        return (jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats)
+        rows = jax.ShapeDtypeStruct((1, q.shape[2], q.shape[1]), jnp.float32)
+        per_sequence = jax.ShapeDtypeStruct(
+            (ops["q_offsets"].shape[0] - 1, q.shape[2], max_q) if with_stats else (0,),
+            jnp.float32)
+        return (jax.ShapeDtypeStruct(q.shape, q.dtype), rows, rows, per_sequence)
 
     def kernel(q, k, v, q_offsets, kv_offsets):
         # (the block table is built on the device from the offsets, by the handler's first
@@ -519,15 +524,16 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
         n = q_offsets.shape[0] - 1
         blocks = cuda_block_count(q.shape[1], n)
         grid = max(1, min(hopper._sm_count(), blocks * q.shape[2]))
-        work = jax.ShapeDtypeStruct((5 * blocks + 2 * n + 2,), jnp.int32)
-        out, lse, row_max, _ = jax.ffi.ffi_call(
-            CUDA_FORWARD_TARGET, (*shapes(dict(q=q)), work))(
+        work = jax.ShapeDtypeStruct((6 * blocks + 2 * n + 2,), jnp.int32)
+        out, lse, row_max, stats, _ = jax.ffi.ffi_call(
+            CUDA_FORWARD_TARGET, (*shapes(dict(q=q, q_offsets=q_offsets)), work))(
             q, k, v, q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32),
             grid=np.int64(grid), block_count=np.int64(blocks), max_seqlen_q=np.int64(max_q),
             max_seqlen_kv=np.int64(max_kv), **attrs)
-        return out, lse, row_max
+        return (out, lse, row_max, stats) if with_stats else (out, lse, row_max)
 
     names = ("q", "k", "v", "q_offsets", "kv_offsets")
-    return KernelOp(CUDA_FORWARD_TARGET, tuple((name, SHARED) for name in names),
-                    ("out", "lse", "max"), shapes, {}, kernel=kernel, sequential=True,
+    results = ("out", "lse", "max", "stats") if with_stats else ("out", "lse", "max")
+    return KernelOp(CUDA_FORWARD_TARGET, tuple((name, SHARED) for name in names), results,
+                    lambda ops: shapes(ops)[:len(results)], {}, kernel=kernel, sequential=True,
                     layout=lambda name, shape: _CUDA_LAYOUTS[name])
