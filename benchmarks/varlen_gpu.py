@@ -10,7 +10,7 @@ rows marked `varied`, lengths drawn from [0.25, 1.75] x the mean (fixed seed) wi
 their longest:
 
 - `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged layout;
-  on a Hopper GPU from `max_seqlen_q` 2048 attnaux's CUDA forward over the packed tokens and
+  on a Hopper GPU from `max_seqlen_q` 256 attnaux's CUDA forward over the packed tokens and
   cuDNN's ragged backward; out + lse + max);
 - `varlen cuda`: the same call with the CUDA forward at every length
   (`_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 0`);

@@ -2,7 +2,9 @@
 # compute-sanitizer (memcheck, racecheck): head dims 64, 128 and 256, causal top-left and
 # bottom-right, window, GQA, sequences ending inside a key block (whose V rows past the end the
 # kernel zeroes), empty sequences, padding tokens holding NaN; enough tiles that CTAs take several
-# from the counter
+# from the counter; each forward once more under `jax.vjp`, where the kernel also writes the
+# per-sequence statistics of cuDNN's backward. The block table's kernel (PackedTableKernel) runs
+# before each: `--kernel-regex kns='HopperFwd|PackedTable'`
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,3 +26,10 @@ for d, options in ((128, dict(causal=True)), (128, dict(window=(70, 30))),
     print(d, options, attnaux.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                       max_seqlen_q=900, max_seqlen_kv=901, **options).packed[:40],
           float(jnp.abs(out.astype(jnp.float32)).sum()), bool(jnp.isnan(out).any()))
+    def loss(q, k, v, options=options):
+        out, aux = attnaux.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                            max_seqlen_q=900, max_seqlen_kv=901, **options)
+        finite = jnp.where(jnp.isfinite(aux.lse), aux.lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(finite)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(jnp.nan_to_num(q), k, jnp.nan_to_num(v))
+    print("  grads finite:", all(bool(jnp.isfinite(g).all()) for g in grads))
