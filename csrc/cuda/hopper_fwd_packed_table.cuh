@@ -10,10 +10,10 @@
 // are runs without keys, so that the forward writes their rows too (out 0, lse = max = -inf:
 // what `varlen_attention` returns for tokens that no sequence covers), with no pass over out
 // after it. The table (FwdParams::blocks, int32 [6, blocks]) lists each run's blocks of 128
-// rows (and each block's sequence, -1 for a run without keys): the sequences with the most blocks first (a counting sort by blocks; sequences of
-// kBuckets - 1 blocks or more share a bucket), each sequence's last block first (under a
-// causal mask its heaviest), the runs without keys last; entries past the last block hold
-// m_block -1. The order within a bucket follows the CTA's atomics: it changes which CTA takes
+// rows (with each block's sequence, -1 for a run without keys): the sequences with the most
+// blocks first (a counting sort by blocks; sequences of kTableBuckets - 1 blocks or more share
+// a bucket), each sequence's last block first (under a causal mask its heaviest), the runs
+// without keys last; entries past the last block hold m_block -1. The order within a bucket follows the CTA's atomics: it changes which CTA takes
 // which tile, never a result (no tile reads another's output).
 #pragma once
 

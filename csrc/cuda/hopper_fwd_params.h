@@ -29,18 +29,18 @@ struct FwdParams : HopperGeometry {
 
   // Packed sequences (`attnaux_hopper_fwd_packed`, HopperFwdKernel<Traits, true>): q and out
   // [1, total_q, q_heads, dim], k and v [1, total_kv, kv_heads, dim], lse and max [1, q_heads,
-  // total_q]. `blocks` int32 [5, block_count]: per query block of 128 rows of a run (a
+  // total_q]. `blocks` int32 [6, block_count]: per query block of 128 rows of a run (a
   // sequence, or tokens without keys: hopper_fwd_packed_table.cuh builds it on the device), its
   // index in the run (-1 after the last block), the run's first query token, its query tokens,
-  // its first key token and its keys (within the arrays); tile t is block t / q_heads of head
-  // t % q_heads. The visibility fields apply within each sequence (its rows and keys counted
-  // from its first token; q_len and kv_len its own), `bottom_right` adding its kv_len - q_len
-  // to `offset`. The CTAs take tiles from `tile_counter` (zeroed by the table's kernel).
-  // `blocks` has a sixth row, each block's sequence (-1: a run without keys), for `stats`:
-  // where not null, the lse per sequence as cuDNN's ragged backward reads it, float32
-  // [num_seqs, q_heads, stats_rows] (stats_rows = max_seqlen_q), +inf for a row that sees no
-  // key (its recomputed P 0) and for the rows of a sequence's last block past its end; the
-  // rows past that block are not written (not read). Unused (null) in the dense forward.
+  // its first key token, its keys (within the arrays) and its sequence (-1: a run without
+  // keys); tile t is block t / q_heads of head t % q_heads. The visibility fields apply
+  // within each sequence (its rows and keys counted from its first token; q_len and kv_len its
+  // own), `bottom_right` adding its kv_len - q_len to `offset`. The CTAs take tiles from
+  // `tile_counter` (zeroed by the table's kernel). `stats`, where not null: the lse per
+  // sequence as cuDNN's ragged backward reads it, float32 [num_seqs, q_heads, stats_rows]
+  // (stats_rows = max_seqlen_q), +inf for a row that sees no key (its recomputed P 0) and for
+  // the rows of a sequence's last block past its end; the rows past that block are not written
+  // (not read). Unused (null) in the dense forward.
   const int* blocks;
   int block_count;
   bool bottom_right;
