@@ -34,6 +34,15 @@ def _arrays(q_lens, kv_lens, *, heads=(4, 2), dims=(16, 16), extra=(3, 2), dtype
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
+def _nan_padded(q_lens, kv_lens, **kwargs):
+    """`(q, k, v, cu_q, cu_kv)`: `_arrays(q_lens, kv_lens, **kwargs)` with NaN stored in the
+    padding tokens past the last sequence, and the sequences' offsets."""
+    q, k, v = _arrays(q_lens, kv_lens, **kwargs)
+    nq, nk = sum(q_lens), sum(kv_lens)
+    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
+    return q, k, v, _cu(q_lens), _cu(kv_lens)
+
+
 def _per_sequence(q, k, v, cu_q, cu_kv, **options):
     """The reference: each sequence alone, in float32, through `attention(backend="reference")`
     (pure JAX) on the sequences padded by hand with their lengths; padding tokens 0 / -inf.
@@ -129,10 +138,7 @@ def test_gradients_cpu(backend, options):
 
 @cpu_flash
 def test_nan_in_padding_never_leaks():
-    q, k, v = _arrays(Q_LENS, KV_LENS)
-    nq, nk = sum(Q_LENS), sum(KV_LENS)
-    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
-    cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)
+    q, k, v, cu_q, cu_kv = _nan_padded(Q_LENS, KV_LENS)
     for backend in ("flash", "probs", "reference"):
         def fn(q, k, v, backend=backend):
             return ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
@@ -312,11 +318,9 @@ def _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, *, jit=False
                          ids=str)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 def test_gpu_ragged_parity(options, heads, packed_path):
-    q, k, v = _arrays(GPU_Q_LENS, GPU_KV_LENS, heads=heads, dims=(64, 64), extra=(7, 9),
-                      dtype=jnp.bfloat16)
+    q, k, v, cu_q, cu_kv = _nan_padded(GPU_Q_LENS, GPU_KV_LENS, heads=heads, dims=(64, 64),
+                                       extra=(7, 9), dtype=jnp.bfloat16)
     nq, nk = sum(GPU_Q_LENS), sum(GPU_KV_LENS)
-    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
-    cu_q, cu_kv = _cu(GPU_Q_LENS), _cu(GPU_KV_LENS)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
                 backend="flash", **options)
     # (softcap: not on the CUDA forward, so cuDNN's ragged layout serves it)
@@ -339,11 +343,8 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens, kv_lens = (700, 1, 0, 385, 129, 64), (700, 300, 6, 513, 129, 0)
-    q, k, v = _arrays(q_lens, kv_lens, heads=(8, 2), dims=(dim, dim), extra=(11, 70),
-                      dtype=jnp.bfloat16)
-    nq, nk = sum(q_lens), sum(kv_lens)
-    q, k, v = q.at[nq:].set(jnp.nan), k.at[nk:].set(jnp.nan), v.at[nk:].set(jnp.nan)
-    cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
+    q, k, v, cu_q, cu_kv = _nan_padded(q_lens, kv_lens, heads=(8, 2), dims=(dim, dim),
+                                       extra=(11, 70), dtype=jnp.bfloat16)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=700, max_seqlen_kv=700,
                 backend="flash", **options)
     with _varlen_flags(False, True):
