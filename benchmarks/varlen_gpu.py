@@ -3,19 +3,24 @@
     python benchmarks/varlen_gpu.py           # the shapes of issue 22 (bf16, 16 heads x 128)
     python benchmarks/varlen_gpu.py --quick   # one shape
     python benchmarks/varlen_gpu.py --breakdown   # where the Hopper kernels' packed time goes
+    python benchmarks/varlen_gpu.py --max-seqlen tokens   # max_seqlen_* = the tokens, a loose
+                                                          # static bound (attnaux and FA3 alike)
 
 Side by side in one run, for each (tokens, documents), causal, forward and forward+backward
 (`jax.vjp` of the output with a fixed cotangent). The documents have equal lengths, or, in the
 rows marked `varied`, lengths drawn from [0.25, 1.75] x the mean (fixed seed) with `max_seqlen`
-their longest:
+their longest (`--max-seqlen tokens`: the number of tokens, the bound a jitted caller knows without
+reading the lengths):
 
 - `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged layout;
   on a Hopper GPU from `max_seqlen_q` 256 attnaux's CUDA forward over the packed tokens and
-  cuDNN's ragged backward; out + lse + max);
-- `varlen cuda`: the same call with the CUDA forward at every length
-  (`_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 0`);
-- `varlen ragged`: the same call with `_dispatch.GPU_VARLEN_CUDA_FORWARD` off (cuDNN's ragged
-  layout both ways);
+  cuDNN's ragged backward, or the Hopper kernels' packed backward where `max_seqlen_*` would
+  make cuDNN's grid many times the tokens, `_dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD`;
+  out + lse + max);
+- `varlen cuda`: the same call with the CUDA forward at every length and cuDNN's backward
+  (`_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 0`, the spread bound off);
+- `varlen ragged`: the same call with `_dispatch.GPU_VARLEN_CUDA_FORWARD` and the spread bound
+  off (cuDNN's ragged layout both ways);
 - `varlen hopper`: the same call with `_dispatch.GPU_VARLEN_PREFERS_HOPPER` on (attnaux's own
   kernels, `_hopper_packed`: one packed row, visiting ranges per tile);
 - `varlen+lse`: `varlen` with a loss on `aux.lse` too (forward+backward only);
@@ -70,12 +75,13 @@ def _lengths(tokens, docs, varied):
     return lengths
 
 
-def _candidates(tokens, docs, varied=False):
+def _candidates(tokens, docs, varied=False, loose=False):
     lengths = _lengths(tokens, docs, varied)
     length = int(lengths.max())
+    bound = tokens if loose else length  # the static max_seqlen_* of the packed calls
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     ids = jnp.asarray(np.repeat(np.arange(docs), lengths), jnp.int32)[None]
-    packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length,
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=bound, max_seqlen_kv=bound,
                   causal=True)
 
     def varlen(q, k, v):
@@ -98,7 +104,7 @@ def _candidates(tokens, docs, varied=False):
         fns["batched"] = batched
     if dew_flash_attn is not None:
         def fa3(q, k, v):
-            return dew_flash_attn.flash_mha_varlen(q, k, v, cu, length, is_causal=True), None
+            return dew_flash_attn.flash_mha_varlen(q, k, v, cu, bound, is_causal=True), None
         fns["fa3 varlen"] = fa3
     return fns
 
@@ -106,9 +112,10 @@ def _candidates(tokens, docs, varied=False):
 COLUMNS = ["varlen", "varlen cuda", "varlen ragged", "varlen hopper", "varlen+lse", "batched",
            "segments", "fa3 varlen"]
 RATIOS = ("varlen", "varlen cuda", "varlen ragged", "varlen hopper")
+_CUDNN_BACKWARD = {"GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD": float("inf")}  # whatever the bound
 FLAGS = {"varlen hopper": {"GPU_VARLEN_PREFERS_HOPPER": True},
-         "varlen cuda": {"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ": 0},
-         "varlen ragged": {"GPU_VARLEN_CUDA_FORWARD": False}}
+         "varlen cuda": {"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ": 0, **_CUDNN_BACKWARD},
+         "varlen ragged": {"GPU_VARLEN_CUDA_FORWARD": False, **_CUDNN_BACKWARD}}
 
 
 def _compiled(jitted, args, name=None):
@@ -198,7 +205,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--max-seqlen", choices=("longest", "tokens"), default="longest",
+                        help="the packed calls' max_seqlen_*: the longest document (default) or "
+                             "the number of tokens")
     args = parser.parse_args()
+    loose = args.max_seqlen == "tokens"
     if args.breakdown:
         print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
         for tokens, docs in SHAPES[:1] if args.quick else SHAPES:
@@ -210,7 +221,8 @@ def main():
         print("| tokens | docs | pass | " + " | ".join(names) + " | (ms, header last)")
         return
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
-          f"FA3: {'yes' if dew_flash_attn is not None else 'not installed'}")
+          f"FA3: {'yes' if dew_flash_attn is not None else 'not installed'}; "
+          f"max_seqlen: {args.max_seqlen}")
     print("| tokens | docs | pass | " + " | ".join(COLUMNS) + " | "
           + " | ".join(f"fa3 / {n.split()[-1]}" for n in RATIOS) + " |")
     print("|---" * (len(COLUMNS) + 3 + len(RATIOS)) + "|")
@@ -220,7 +232,7 @@ def main():
         q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (tokens, HEADS, DIM),
                                         jnp.bfloat16) for i in range(4))
         w = w.astype(jnp.float32)
-        fns = _candidates(tokens, docs, varied)
+        fns = _candidates(tokens, docs, varied, loose)
         fwd = timed({n: _compiled(_forward(f), (q, k, v), n) for n, f in fns.items()}, (q, k, v))
         bwd_fns = {n: _compiled(_backward(f), (q, k, v, w), n) for n, f in fns.items()}
         bwd_fns["varlen+lse"] = _compiled(_backward(fns["varlen"], with_lse=True), (q, k, v, w))

@@ -257,28 +257,37 @@ GPU_KV_LENS = (130, 5, 1, 257, 64, 0)
 ON_HOPPER = GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-@pytest.fixture(params=["hopper", "ragged", "cuda"])
+CUDA_THEN_HOPPER = "the backward on attnaux's Hopper kernels"  # `explain` of "cuda-hopper"
+
+
+@pytest.fixture(params=["hopper", "ragged", "cuda", "cuda-hopper"])
 def packed_path(request):
     """The way GPU `flash` reads packed tokens: attnaux's Hopper kernels (Pallas), cuDNN's
-    ragged layout, or attnaux's CUDA forward with cuDNN's ragged backward
-    (`_dispatch.GPU_VARLEN_PREFERS_HOPPER` and `GPU_VARLEN_CUDA_FORWARD`, read at trace time:
+    ragged layout, attnaux's CUDA forward with cuDNN's ragged backward, or that forward with
+    the Hopper kernels' packed backward (`_dispatch.GPU_VARLEN_PREFERS_HOPPER`,
+    `GPU_VARLEN_CUDA_FORWARD` and `GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD`, read at trace time:
     JAX's caches are cleared around the change). Yields what `explain(...).packed` says."""
     if request.param != "ragged" and not ON_HOPPER:
         pytest.skip("needs a Hopper GPU")
-    if request.param == "cuda" and not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
+    if (request.param.startswith("cuda")
+            and not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu")):
         pytest.skip("this build has no CUDA C++ Hopper kernels")
-    with _varlen_flags(request.param == "hopper", request.param == "cuda"):
-        yield {"hopper": "Hopper", "ragged": "ragged", "cuda": "CUDA C++"}[request.param]
+    with _varlen_flags(request.param == "hopper", request.param.startswith("cuda"),
+                       hopper_backward=request.param == "cuda-hopper"):
+        yield {"hopper": "Hopper", "ragged": "ragged", "cuda": "CUDA C++",
+               "cuda-hopper": CUDA_THEN_HOPPER}[request.param]
 
 
 @contextlib.contextmanager
-def _varlen_flags(prefers_hopper: bool, cuda_forward: bool):
-    """`_dispatch`'s varlen switches for a test (the CUDA forward at any `max_seqlen_q`), JAX's
-    caches cleared around the change (the switches are read at trace time)."""
+def _varlen_flags(prefers_hopper: bool, cuda_forward: bool, hopper_backward: bool = False):
+    """`_dispatch`'s varlen switches for a test (the CUDA forward at any `max_seqlen_q`; with
+    `hopper_backward`, the Hopper kernels' packed backward in place of cuDNN's whatever its
+    spread), JAX's caches cleared around the change (the switches are read at trace time)."""
     names = ("GPU_VARLEN_PREFERS_HOPPER", "GPU_VARLEN_CUDA_FORWARD",
-             "GPU_VARLEN_CUDA_FORWARD_MIN_SEQ")
+             "GPU_VARLEN_CUDA_FORWARD_MIN_SEQ", "GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD")
     saved = tuple(getattr(_dispatch, name) for name in names)
-    for name, value in zip(names, (prefers_hopper, cuda_forward, 0)):
+    spread = -1.0 if hopper_backward else float("inf")
+    for name, value in zip(names, (prefers_hopper, cuda_forward, 0, spread)):
         setattr(_dispatch, name, value)
     jax.clear_caches()
     try:
@@ -323,8 +332,11 @@ def test_gpu_ragged_parity(options, heads, packed_path):
     nq, nk = sum(GPU_Q_LENS), sum(GPU_KV_LENS)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
                 backend="flash", **options)
-    # (softcap: not on the CUDA forward, so cuDNN's ragged layout serves it)
-    served = "ragged" if packed_path == "CUDA C++" and "softcap" in options else packed_path
+    # (softcap: not on the CUDA forward, so cuDNN's ragged layout serves it, or with the Hopper
+    # kernels' backward chosen, the Hopper kernels both ways)
+    served = packed_path
+    if "softcap" in options and packed_path in ("CUDA C++", CUDA_THEN_HOPPER):
+        served = "ragged" if packed_path == "CUDA C++" else "on attnaux's Hopper kernels: one"
     assert served in ax.explain(q, k, v, **args).packed
     fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
     got = _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options)
@@ -333,13 +345,14 @@ def test_gpu_ragged_parity(options, heads, packed_path):
 
 
 @gpu_only
-@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("dim,backward", [(128, "cudnn"), (256, "cudnn"), (128, "hopper")])
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal="bottom_right"),
                                      dict(causal=True, window=(200, 0))], ids=str)
-def test_gpu_cuda_forward_long_sequences(dim, options):
-    """attnaux's CUDA forward over packed tokens at head dims 128 and 256: sequences of several
-    128-row blocks and key blocks, lengths that end inside a block, empty ones, queries and keys
-    of different lengths, GQA; NaN in the padding tokens never reaches a row."""
+def test_gpu_cuda_forward_long_sequences(dim, backward, options):
+    """attnaux's CUDA forward over packed tokens at head dims 128 and 256, differentiated by
+    cuDNN's ragged backward or the Hopper kernels' packed one: sequences of several 128-row
+    blocks and key blocks, lengths that end inside a block, empty ones, queries and keys of
+    different lengths, GQA; NaN in the padding tokens never reaches a row."""
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens, kv_lens = (700, 1, 0, 385, 129, 64), (700, 300, 6, 513, 129, 0)
@@ -347,10 +360,34 @@ def test_gpu_cuda_forward_long_sequences(dim, options):
                                        extra=(11, 70), dtype=jnp.bfloat16)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=700, max_seqlen_kv=700,
                 backend="flash", **options)
-    with _varlen_flags(False, True):
-        assert "CUDA C++" in ax.explain(q, k, v, **args).packed
+    with _varlen_flags(False, True, hopper_backward=backward == "hopper"):
+        packed = ax.explain(q, k, v, **args).packed
+        assert "CUDA C++" in packed and (CUDA_THEN_HOPPER in packed) == (backward == "hopper")
         fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
         _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, jit=True)
+
+
+@gpu_only
+def test_gpu_loose_bound_takes_the_hopper_backward():
+    """`auto` with `max_seqlen_*` the number of tokens and 64 sequences: cuDNN's ragged backward
+    would launch 42.7x the tiles the tokens fill (`_dispatch.cudnn_backward_spread`), so the
+    Hopper kernels' packed backward differentiates the CUDA forward; with the longest sequence
+    as the bound, cuDNN's ragged backward does."""
+    if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
+        pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
+    lens = (256,) * 64
+    q = k = v = jnp.zeros((sum(lens), 4, 64), jnp.bfloat16)
+    assert _dispatch.cudnn_backward_spread(64, 16384, 16384, 16384, 16384) > (
+        _dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD)
+
+    def packed(bound):
+        return ax.explain(q, k, v, cu_seqlens_q=_cu(lens), cu_seqlens_kv=_cu(lens),
+                          max_seqlen_q=bound, max_seqlen_kv=bound, causal=True,
+                          backend="flash").packed
+
+    loose, tight = packed(sum(lens)), packed(256)
+    assert CUDA_THEN_HOPPER in loose and "GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD" in loose, loose
+    assert CUDA_THEN_HOPPER not in tight and "cuDNN's ragged" in tight, tight
 
 
 def _cuda_table_reference(cu_q, cu_kv, total_q, max_q, max_kv):

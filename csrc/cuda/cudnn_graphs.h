@@ -88,6 +88,12 @@ struct AttnConfig {
   // (`[tokens, heads, dim]`), sequence i starting at the element offset of the ragged-offset
   // tensors and `sq` / `skv` being the largest lengths. Needs the padding mask (the lengths).
   bool ragged = false;
+  // Packed backward: the tokens in Q (and dQ) and in K/V (and dK/dV). cuDNN then sizes its
+  // float32 dQ accumulator (and the dK/dV ones it may keep) by the tokens, [tokens, H, D], not
+  // by `b` x `sq`: with `max_seqlen_q` a loose static bound (the usual case under jit, where the
+  // lengths are data) the padded size is many times the tokens, and its zeroing and conversion
+  // passes cost as much. 0: not packed, or a forward.
+  int64_t total_q = 0, total_kv = 0;
 
   bool has_bias() const { return bias_b > 0; }
 
@@ -107,14 +113,16 @@ struct AttnConfig {
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "%s dev%d t%d b%lld hq%lld hk%lld sq%lld skv%lld d%lld dv%lld bias%lldx%lld "
-                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d comp%d dbias%d rag%d",
+                  "pad%d c%d w%lld,%lld s%08x max%d f32bias%d cap%08x p%08x dump%d comp%d dbias%d rag%d "
+                  "tot%lld,%lld",
                   backward ? "bwd" : "fwd", device, dtype, (long long)b, (long long)hq,
                   (long long)hk, (long long)sq, (long long)skv, (long long)d, (long long)dv,
                   (long long)bias_b, (long long)bias_h, (int)padding, causal,
                   (long long)window_left, (long long)window_right, scale_bits,
                   backward ? 0 : (int)with_max, has_bias() ? (int)bias_f32 : 0, softcap_bits,
                   dropout_bits, (int)(rng_dump && !backward), (int)(composite && !backward),
-                  (int)(backward && has_bias() && bias_grad), (int)ragged);
+                  (int)(backward && has_bias() && bias_grad), (int)ragged,
+                  (long long)(backward ? total_q : 0), (long long)(backward ? total_kv : 0));
     return buf;
   }
 };
@@ -505,6 +513,12 @@ inline std::string BuildGraph(const AttnConfig& c, cudnnHandle_t handle, Plan* p
         if (c.padding) attrs.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
       }
       if (c.dropout > 0) attrs.set_dropout(c.dropout, seed, offset);
+      // ATTNAUX_CUDNN_RAGGED_TOTALS=0 (measurements only) sizes them by `b` x `sq` as before.
+      const char* totals = std::getenv("ATTNAUX_CUDNN_RAGGED_TOTALS");
+      const bool by_tokens = totals == nullptr || std::string(totals) != "0";
+      if (c.ragged && by_tokens && c.total_q > 0 && c.total_kv > 0) {
+        attrs.set_max_total_seq_len_q(c.total_q).set_max_total_seq_len_kv(c.total_kv);
+      }
       auto grads = graph->sdpa_backward(Q, K, V, O, dO, stats, std::move(attrs));
       grads[0]->set_output(true).set_uid(kDQ).set_dim({c.b, c.hq, c.sq, c.d}).set_stride(
           BshdStrides(c.hq, c.sq, c.d));

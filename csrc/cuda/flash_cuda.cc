@@ -112,6 +112,8 @@ ffi::Error CommonChecks(const std::string& target, ffi::AnyBuffer q, ffi::AnyBuf
       return Invalid(target, "max_seqlen_q and max_seqlen_kv must be >= 1.");
     }
     if (padding == 0) return Invalid(target, "packed sequences need padding=1 (the lengths).");
+    c->total_q = qd[1];  // the backward's accumulators are sized by the tokens
+    c->total_kv = kd[1];
     c->sq = max_seqlen_q;
     c->skv = max_seqlen_kv;
   }
@@ -434,7 +436,8 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
                          float softcap, float dropout, bool rng_dump, bool composite,
-                         bool bias_grad, bool ragged, bool* bias_f32, int64_t* workspace) {
+                         bool bias_grad, bool ragged, int64_t total_q, int64_t total_kv,
+                         bool* bias_f32, int64_t* workspace) {
   AttnConfig c;
   c.device = device;
   c.dtype = dtype;
@@ -458,6 +461,8 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
   c.dropout = dropout;
   c.bias_grad = bias_grad;
   c.ragged = ragged;
+  c.total_q = ragged ? total_q : 0;
+  c.total_kv = ragged ? total_kv : 0;
   c.rng_dump = rng_dump && !backward;
   c.composite = composite && !backward;
   std::string error;

@@ -25,7 +25,9 @@ int64_t LoadedCudnnVersion();
 // `softcap` (0 = off), `dropout` (the probability, 0 = off) and `rng_dump` (a forward that also
 // writes cuDNN's dropout keep-mask) complete the configuration; `composite` pins cuDNN's
 // composite SDPA implementation for a forward (for measurements); `bias_grad` false makes a
-// backward that takes the bias as a constant (no dbias).
+// backward that takes the bias as a constant (no dbias). `ragged` (packed sequences, `b` of
+// them, `sq`/`skv` their padded lengths) takes the tokens of Q and of K/V in `total_q` /
+// `total_kv`, which size a packed backward's accumulators (0: by `b` x `sq`).
 // With `try_f32_bias` a bias is tried in float32 first, else in the io dtype; `bias_f32` tells which
 // the graph takes (and gives dbias in), `workspace` the bytes of cuDNN workspace it needs.
 std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t hk, int64_t sq,
@@ -33,7 +35,8 @@ std::string CheckSupport(int device, int dtype, int64_t b, int64_t hq, int64_t h
                          bool padding, int causal, int64_t window_left, int64_t window_right,
                          float scale, bool backward, bool with_max, bool try_f32_bias,
                          float softcap, float dropout, bool rng_dump, bool composite,
-                         bool bias_grad, bool ragged, bool* bias_f32, int64_t* workspace);
+                         bool bias_grad, bool ragged, int64_t total_q, int64_t total_kv,
+                         bool* bias_f32, int64_t* workspace);
 struct CacheStats {
   int64_t size, builds, hits;
 };

@@ -37,7 +37,7 @@ PYBIND11_MODULE(_ext_cuda, m) {
          int64_t d, int64_t dv, int64_t bias_b, int64_t bias_h, bool padding, int causal,
          int64_t window_left, int64_t window_right, float scale, bool backward, bool with_max,
          bool try_f32_bias, float softcap, float dropout, bool rng_dump, bool composite,
-         bool bias_grad, bool ragged) {
+         bool bias_grad, bool ragged, int64_t total_q, int64_t total_kv) {
         bool bias_f32 = true;
         int64_t workspace = 0;
         std::string error;
@@ -47,6 +47,7 @@ PYBIND11_MODULE(_ext_cuda, m) {
                                              bias_h, padding, causal, window_left, window_right,
                                              scale, backward, with_max, try_f32_bias, softcap,
                                              dropout, rng_dump, composite, bias_grad, ragged,
+                                             total_q, total_kv,
                                              &bias_f32, &workspace);
         }
         return py::make_tuple(error, bias_f32, workspace);
@@ -57,7 +58,7 @@ PYBIND11_MODULE(_ext_cuda, m) {
       py::arg("window_right"), py::arg("scale"), py::arg("backward"), py::arg("with_max"),
       py::arg("try_f32_bias"), py::arg("softcap") = 0.0f, py::arg("dropout") = 0.0f,
       py::arg("rng_dump") = false, py::arg("composite") = false, py::arg("bias_grad") = true,
-      py::arg("ragged") = false,
+      py::arg("ragged") = false, py::arg("total_q") = 0, py::arg("total_kv") = 0,
       "Builds (once) and caches the cuDNN graph of this configuration; returns (reason, "
       "bias_f32, workspace_bytes): reason '' when cuDNN serves it, whether it takes the bias in "
       "float32 (else in the input dtype), and the workspace it needs.");

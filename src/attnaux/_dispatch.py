@@ -88,6 +88,35 @@ an H100 (`benchmarks/varlen_gpu.py`, causal, 16 heads x 128, bf16, 2026-11-28;
 docs/performance.md), CUDA forward / cuDNN's ragged forward in time, since the table moved onto
 the device: 0.88-0.96x at documents of 256 to 4096 tokens, equal and varied lengths (forward
 +backward 0.97-0.99x). Below 256 tokens the two were not measured, and cuDNN keeps them."""
+GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD = 16.0
+"""The most `cudnn_backward_spread` (tiles cuDNN's ragged backward launches over tiles the
+tokens fill) at which `varlen_attention` on GPU `flash` is differentiated by cuDNN's ragged
+backward; above it, by attnaux's Hopper kernels' packed backward (`_hopper_packed`, one packed
+row: its work follows the tokens, not `max_seqlen_*`), after the CUDA forward where that serves
+(mode `cuda-hopper`), else on the Hopper kernels both ways. cuDNN's grid is `num_seqs` x
+heads x the 128-row tiles of `max_seqlen_*`, and each tile it launches past a sequence's end
+costs about 6-10 ns a head: nothing while `max_seqlen_*` is the longest document, a cliff when
+it is a loose static bound (the tokens, say: the bound a jitted caller knows without reading
+the lengths). Measured on an H100 (`benchmarks/varlen_gpu.py --max-seqlen tokens` beside the
+default, causal, 16 heads x 128, bf16, 2026-11-28, tenth session), cuDNN's backward / the
+Hopper kernels' in time: spread 42.7 (16384 tokens, 64 documents of equal or varied lengths,
+`max_seqlen` 16384) 2.5x / 2.2x, spread 14.2 (16 documents) 1.0x / 0.9x, 7.1 (8192 / 8) 0.88x,
+3.9 (16384 / 4) 0.81x, and with `max_seqlen` the longest document (spread at most 1.6)
+0.75-0.81x."""
+
+
+def cudnn_backward_spread(num_seqs: int, max_seqlen_q: int, max_seqlen_kv: int,
+                          q_tokens: int, kv_tokens: int) -> float:
+    """The 128-row tiles cuDNN's ragged backward launches (`num_seqs` x those of
+    `max_seqlen_q`, and of `max_seqlen_kv`) over the tiles the tokens fill at most (those of
+    the tokens, and a partial one per sequence); static, from the shapes alone."""
+    def tiles(n):
+        return -(-n // 128)
+    launched = num_seqs * (tiles(max_seqlen_q) + tiles(max_seqlen_kv))
+    filled = tiles(q_tokens) + tiles(kv_tokens) + 2 * num_seqs
+    return launched / max(filled, 1)
+
+
 FLASH_HOPPER_FORWARD = Implementation(  # `_flash_cudnn` with the Hopper kernel's forward
     types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
                           run=functools.partial(_flash_cudnn.run,

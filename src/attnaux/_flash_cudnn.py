@@ -203,21 +203,23 @@ def unavailable(problem: Problem, platform: str) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def _plan(cfg: "Config", backward: bool, dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq,
           qk_dim, v_dim, bias_b, bias_h, try_f32_bias: bool,
-          rng_dump: bool = False) -> tuple[str, bool, int]:
+          rng_dump: bool = False, total_q: int = 0, total_kv: int = 0) -> tuple[str, bool, int]:
     """Builds (once: the C++ cache keeps it) the cuDNN graph of one call and returns `(reason or
-    "", whether it takes the bias in float32, workspace bytes)`."""
+    "", whether it takes the bias in float32, workspace bytes)`. Packed sequences (`cfg.ragged`)
+    also take the tokens of q and of k/v, which size a backward's accumulators."""
     return _ffi.ext_cuda().check_support(
         _device_ordinal(), 0 if dtype == "bfloat16" else 1, bsz, q_heads, kv_heads, q_seq,
         kv_seq, qk_dim, v_dim, bias_b, bias_h, cfg.padding, cfg.causal, cfg.window_left,
         cfg.window_right, _f32(cfg.scale), backward, cfg.with_max, try_f32_bias,
         softcap=_f32(cfg.softcap), dropout=_f32(cfg.dropout_rate), rng_dump=rng_dump,
         composite=cfg.composite, bias_grad=cfg.bias_grad, ragged=cfg.ragged,
+        total_q=total_q if cfg.ragged else 0, total_kv=total_kv if cfg.ragged else 0,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _check(cfg: "Config", dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_dim, v_dim,
-           bias_b, bias_h) -> tuple[str, bool]:
+           bias_b, bias_h, total_q: int = 0, total_kv: int = 0) -> tuple[str, bool]:
     """Whether cuDNN serves the forward and the backward of this static configuration (asked once;
     the graphs stay cached, so the kernels find them): `(reason or "", bias in float32?)`. A bias
     goes in float32 when both graphs take it so, else in the input dtype; the bias made of a mask
@@ -227,7 +229,7 @@ def _check(cfg: "Config", dtype: str, bsz, q_heads, kv_heads, q_seq, kv_seq, qk_
     why, fwd_f32, _ = _plan(cfg, False, *shapes, cfg.bias_grad)
     if why:
         return why, True
-    why, bwd_f32, _ = _plan(cfg, True, *shapes, fwd_f32)
+    why, bwd_f32, _ = _plan(cfg, True, *shapes, fwd_f32, total_q=total_q, total_kv=total_kv)
     if why:
         return why, True
     if fwd_f32 and not bwd_f32:
@@ -766,7 +768,7 @@ def _zero_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
 def _ragged_workspace(cfg: Config, backward: bool, num_seqs: int, q, k, v) -> jax.ShapeDtypeStruct:
     why, _, size = _plan(cfg, backward, jnp.dtype(q.dtype).name, num_seqs, q.shape[2],
                          k.shape[2], cfg.max_seqlen_q, cfg.max_seqlen_kv, q.shape[3], v.shape[3],
-                         0, 0, True)
+                         0, 0, True, total_q=q.shape[1], total_kv=k.shape[1])
     if why:
         raise ValueError(f"backend='flash' (cuDNN) cannot run these packed sequences: {why}")
     size = max(int(size), 1) if _workspace_mode() == "output" else 0
@@ -917,7 +919,7 @@ def ragged_unavailable(options: Options, dtype, num_seqs: int, q_tokens: int, kv
         return None  # answered without cuDNN
     cfg = ragged_config(options, max_seqlen_q, max_seqlen_kv)
     why, _ = _check(cfg, dtype.name, num_seqs, q_heads, kv_heads, max_seqlen_q, max_seqlen_kv,
-                    qk_dim, v_dim, 0, 0)
+                    qk_dim, v_dim, 0, 0, q_tokens, kv_tokens)
     return why or None
 
 

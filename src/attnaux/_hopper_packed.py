@@ -496,6 +496,48 @@ def cuda_forward(cfg, q, k, v, q_offsets, kv_offsets, with_stats: bool = False):
     return r["out"], r["lse"], r["max"], r.get("stats")
 
 
+def cuda_varlen(q, k, v, q_offsets, kv_offsets, q_info, kv_info, cfg, options: Options):
+    """`(out [Tq, Hq, D], lse [Hq, Tq], max [Hq, Tq])` of `varlen_attention`'s packed tokens:
+    the forward on the CUDA C++ kernel (`cuda_forward`), differentiated by the Hopper kernels'
+    packed backward (the visiting ranges of `q_info`/`kv_info`, `varlen_infos`), whose work,
+    unlike cuDNN's ragged backward's grid, does not grow with `max_seqlen_*`
+    (`_dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD`). Both kernels write or visit only the
+    rows of sequences: the rows no sequence covers get out 0, lse = max = -inf and zero
+    gradients. `cfg`, offsets and availability as for `cuda_forward` and `varlen_unavailable`."""
+    out, lse, row_max = _cuda_then_hopper(cfg, options, q[None], k[None], v[None], q_offsets,
+                                          kv_offsets, q_info, kv_info)
+    return out[0], lse[0], row_max[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cuda_then_hopper(cfg, options, q, k, v, q_offsets, kv_offsets, q_info, kv_info):
+    out, lse, row_max, _ = cuda_forward(cfg, q, k, v, q_offsets, kv_offsets)
+    return out, lse, row_max
+
+
+def _cuda_then_hopper_fwd(cfg, options, q, k, v, q_offsets, kv_offsets, q_info, kv_info):
+    out, lse, row_max, _ = cuda_forward(cfg, q, k, v, q_offsets, kv_offsets)
+    return (out, lse, row_max), (q, k, v, q_info, kv_info, out, lse)
+
+
+def _cuda_then_hopper_bwd(cfg, options, saved, cotangents):
+    q, k, v, q_info, kv_info, out, lse = saved
+    dout, dlse, _ = cotangents  # the row max has no gradient
+    tokens_q, tokens_kv = q.shape[1], k.shape[1]
+    # as `_call_fwd` prepares the Hopper kernels' own differentiated forward: tokens padded to
+    # their multiple of 128, the padding tokens of q, k and v zeroed (NaN stored there must not
+    # meet a zero probability or score gradient in a product)
+    st, qp, kp, vp, infos, tabs, rng = _prepared(q, k, v, q_info, kv_info, options, clean=True)
+    qp, kp, vp = _cleaned(qp, kp, vp, *infos)
+    dq, dk, dv = _ops(st)[1](
+        qp, kp, vp, *infos, *tabs, rng, _pad_tokens(out, 1), _pad_tokens(lse, 2),
+        _pad_tokens(dout.astype(q.dtype), 1), _pad_tokens(dlse.astype(jnp.float32), 2))
+    return (dq[:, :tokens_q], dk[:, :tokens_kv], dv[:, :tokens_kv], None, None, None, None)
+
+
+_cuda_then_hopper.defvjp(_cuda_then_hopper_fwd, _cuda_then_hopper_bwd)
+
+
 @functools.cache
 def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
              max_kv: int, with_stats: bool):

@@ -135,8 +135,9 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     """`(problem, choice, mode, explanation, (q packing, kv packing))`: the padded problem, the
     dispatch's choice for it, how the packed tokens are served (`"hopper"`: in place on
     attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"cuda"`: attnaux's CUDA
-    forward over the packed tokens and cuDNN's packed backward; `"padded"`), and the
-    explanation with that way (`packed`)."""
+    forward over the packed tokens and cuDNN's packed backward; `"cuda-hopper"`: that forward
+    and the Hopper kernels' packed backward; `"padded"`), and the explanation with that way
+    (`packed`)."""
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
     problem = canonicalize(
@@ -156,16 +157,15 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
             problem.options, q.dtype, cu_q.shape[0] - 1, q.shape[0], k.shape[0], q.shape[1],
             k.shape[1], q.shape[2], v.shape[2], max_seqlen_q, max_seqlen_kv, "gpu",
         )
-    if hopper_no is None and (_dispatch.GPU_VARLEN_PREFERS_HOPPER or ragged_no is not None):
-        mode = "hopper"
-        how = ("in place on attnaux's Hopper kernels: one packed row, visiting only the tiles "
-               "whose sequences meet; nothing is padded")
-        if ragged_no is not None:
-            how += f" (cuDNN's ragged layout: {ragged_no})"
-        choice = choice._replace(implementation=_dispatch.HOPPER_PACKED)
-    elif ragged_no is None:
-        mode = "ragged"
-        how = "in place through cuDNN's ragged (THD) layout: nothing is padded"
+    spread = _dispatch.cudnn_backward_spread(cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_kv,
+                                             q.shape[0], k.shape[0])
+    spread_high = spread > _dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD
+    spread_why = (f"cuDNN's ragged backward would launch {spread:.1f}x the 128-row tiles the "
+                  f"tokens fill (num_seqs x the tiles of max_seqlen_*; above "
+                  f"GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD="
+                  f"{_dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD:g})")
+    cuda_no = "cuDNN's ragged layout does not serve this call"
+    if ragged_no is None:
         if not _dispatch.GPU_VARLEN_CUDA_FORWARD:
             cuda_no = "GPU_VARLEN_CUDA_FORWARD is off"
         elif max_seqlen_q < _dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ:
@@ -174,6 +174,27 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                        f"{least}, where cuDNN's forward measured as fast")
         else:
             cuda_no = _hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
+    if (hopper_no is None and cuda_no is None and spread_high
+            and not _dispatch.GPU_VARLEN_PREFERS_HOPPER):
+        mode = "cuda-hopper"
+        how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
+               "only the tiles of each sequence), the backward on attnaux's Hopper kernels "
+               "(one packed row, visiting only the tiles whose sequences meet): " + spread_why
+               + "; nothing is padded")
+        choice = choice._replace(implementation=_dispatch.HOPPER_PACKED)
+    elif hopper_no is None and (_dispatch.GPU_VARLEN_PREFERS_HOPPER or ragged_no is not None
+                                or spread_high):
+        mode = "hopper"
+        how = ("in place on attnaux's Hopper kernels: one packed row, visiting only the tiles "
+               "whose sequences meet; nothing is padded")
+        if ragged_no is not None:
+            how += f" (cuDNN's ragged layout: {ragged_no})"
+        elif spread_high and not _dispatch.GPU_VARLEN_PREFERS_HOPPER:
+            how += f" ({spread_why}; attnaux's CUDA forward: {cuda_no})"
+        choice = choice._replace(implementation=_dispatch.HOPPER_PACKED)
+    elif ragged_no is None:
+        mode = "ragged"
+        how = "in place through cuDNN's ragged (THD) layout: nothing is padded"
         if cuda_no is None:
             mode = "cuda"
             how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
@@ -212,7 +233,14 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
         if return_probs:
             probs = jnp.zeros((n, q.shape[1], max_seqlen_q, max_seqlen_kv), q.dtype)
     else:
-        if mode == "hopper":
+        if mode == "cuda-hopper":
+            q_info, kv_info = _hopper_packed.varlen_infos(
+                pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
+                pk.lengths, pk.offsets, options)
+            out, lse_pad, max_pad = _hopper_packed.cuda_varlen(
+                q, k, v, pq.offsets, pk.offsets, q_info, kv_info,
+                _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), options)
+        elif mode == "hopper":
             out, lse_t, max_t = _hopper_packed.varlen(
                 q, k, v, pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
                 pk.lengths, pk.offsets, options, sink)
@@ -233,14 +261,14 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             )
             out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
-        if mode == "cuda":  # per token, the tokens that no sequence covers at -inf already
+        if mode in ("cuda", "cuda-hopper"):  # per token, uncovered tokens at -inf already
             lse, row_max = lse_pad, max_pad
         else:
             if mode != "hopper":
                 lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
             lse = jnp.where(hidden, -jnp.inf, lse_t)
             row_max = jnp.where(hidden, -jnp.inf, max_t)
-        if mode in ("ragged", "cuda") and sink is not None:  # the other calls added it already
+        if mode in ("ragged", "cuda", "cuda-hopper") and sink is not None:  # (the others did)
             out, lse_sink = add_sink(out[None], lse[None], sink)
             out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])
     aux = AttnAux(
@@ -313,7 +341,10 @@ def varlen_attention(q, k, v, **options) -> tuple[jax.Array, AttnAux]:
       the number of tokens. The number of sequences is static; the offsets are data. Tokens past
       the last offset are padding. Concrete offsets are checked (a clear error); traced ones are
       clamped so that no sequence leaves the arrays or exceeds `max_seqlen_*`.
-    - `max_seqlen_q`, `max_seqlen_kv`: static ints, the longest sequence of each side.
+    - `max_seqlen_q`, `max_seqlen_kv`: static ints, a bound on each side's sequences (the
+      longest one where it is known; under `jit`, where lengths are data, a looser bound such
+      as the number of tokens works, and on GPU a much looser one moves the backward off
+      cuDNN's grid, whose size follows it, onto attnaux's Hopper kernels: docs/varlen.md).
     - `scale`, `causal` (`True`/`"top_left"` or `"bottom_right"`, per sequence), `window`,
       `softcap`, `sink`, `dropout_rate`, `key`, `return_probs`, `backend`: as in
       [`attnaux.attention`][].
