@@ -9,7 +9,10 @@ forward and forward+backward times (best of `--repeats` after a warm-up) and pac
 T <= `--probs-max-length`. The packed call's kernels skip the (query tile, key tile) pairs whose
 segments differ; `probs` still writes the zeros of P there, which batched does not have. The
 `varlen / batched` columns time `attnaux.varlen_attention` on the same documents (`[T, h, d]`
-with cu_seqlens; on CPU it gathers them per sequence and runs the batched kernels)."""
+with cu_seqlens; on CPU it gathers them per sequence and runs the batched kernels, or, where
+`max_seqlen` would pad to many times the tokens, lays them out in one packed row).
+`--max-seqlen tokens` gives varlen the number of tokens as `max_seqlen` (the bound a jitted
+caller knows without reading the lengths) instead of the longest document."""
 
 import argparse
 import time
@@ -37,9 +40,11 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["flash", "probs"])
     parser.add_argument("--probs-max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-seqlen", choices=("longest", "tokens"), default="longest")
     args = parser.parse_args()
     h, d = 8, 64
-    print(f"attnaux {ax.__version__}, JAX {jax.__version__}, float32, heads {h} x dim {d}\n")
+    print(f"attnaux {ax.__version__}, JAX {jax.__version__}, float32, heads {h} x dim {d}, "
+          f"varlen's max_seqlen: {args.max_seqlen}\n")
     print("| backend | T | docs | causal | packed fwd ms | batched fwd ms | packed / batched "
           "| varlen / batched | packed fwd+bwd ms | batched fwd+bwd ms | packed / batched "
           "| varlen / batched |")
@@ -65,8 +70,9 @@ def main() -> None:
 
                     cu = jnp.arange(docs + 1, dtype=jnp.int32) * (total // docs)
 
-                    def varlen(q, k, v, cu=cu, causal=causal, longest=total // docs,
-                               options=options):
+                    bound = total if args.max_seqlen == "tokens" else total // docs
+
+                    def varlen(q, k, v, cu=cu, causal=causal, longest=bound, options=options):
                         out, aux = ax.varlen_attention(
                             q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_kv=cu,
                             max_seqlen_q=longest, max_seqlen_kv=longest, causal=causal,

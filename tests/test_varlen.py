@@ -150,6 +150,86 @@ def test_nan_in_padding_never_leaks():
         assert all(np.isfinite(np.asarray(g)).all() for g in grads), backend
 
 
+LOOSE = 1000  # a `max_seqlen_*` far above every length: padding to it would be ~10x the row
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["cross", "self"])
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@cpu_flash
+def test_loose_bound_runs_in_one_packed_row_cpu(options, shared):
+    """With a loose `max_seqlen_*` the CPU kernels take the sequences in one packed row with
+    segment ids (each in a tile-aligned region, the row's causal diagonal aligned with each
+    sequence's own): out, lse and the gradients (with an lse term and a sink, GQA) match the
+    per-sequence reference, NaN in the padding tokens never reaches a row, and `explain` says
+    so. `shared`: the same offsets object on both sides (self-attention: a shorter row)."""
+    kv_lens = Q_LENS if shared else KV_LENS
+    q, k, v, cu_q, cu_kv = _nan_padded(Q_LENS, kv_lens, heads=(4, 1))
+    if shared:
+        cu_kv = cu_q
+    sink = jnp.asarray([0.5, -1.0, 0.0, 2.0])
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=LOOSE, max_seqlen_kv=LOOSE,
+                backend="flash", **options)
+    packed = ax.explain(q, k, v, **args).packed
+    assert "one packed row" in packed, packed
+    clean = tuple(jnp.nan_to_num(x) for x in (q, k, v))
+    out, aux = ax.varlen_attention(q, k, v, **args)
+    want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, **options)
+    _compare(out, aux, want_out, want_lse, 2e-5)
+    assert np.isneginf(np.asarray(aux.max[:, sum(Q_LENS):])).all()
+
+    def ours(q, k, v):
+        return ax.varlen_attention(q, k, v, sink=sink, **args)
+
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu_q, cu_kv, sink=sink, **options)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    got = jax.jit(jax.grad(_loss_fn(ours), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("bound", [70, LOOSE], ids=["padded", "packed_row"])
+@cpu_flash
+def test_nan_in_one_sequence_stays_there_cpu(bound):
+    """A NaN stored in a token of one sequence makes that sequence's rows NaN (as the reference
+    does) and no other's: with the tight bound each sequence is padded alone, with a loose one
+    each sits in tile-aligned regions of the packed row, so no tile holds two sequences."""
+    q, k, v = _arrays(Q_LENS, Q_LENS)
+    cu = _cu(Q_LENS)
+    poisoned = int(cu[3]) + 10  # a token of sequence 3 (70 tokens)
+    v = v.at[poisoned].set(jnp.nan)
+    out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=bound,
+                                   max_seqlen_kv=bound, backend="flash")
+    others = np.ones(q.shape[0], bool)
+    others[cu[3]:cu[4]] = False
+    want_out, want_lse = _per_sequence(q, k, v, cu, cu)
+    assert np.isnan(np.asarray(out[cu[3]:cu[4]])).all()
+    np.testing.assert_allclose(out[others], want_out[others], atol=2e-5, rtol=2e-5)
+
+
+@cpu_flash
+def test_loose_bound_under_jit_with_traced_offsets():
+    """The packed row under `jit` with traced offsets (passed once, for both sides, as
+    self-attention is written) and `vmap` over heads-sharing calls: the same as the tight
+    bound's padded call."""
+    q, k, v = _arrays(Q_LENS, Q_LENS)
+    cu = jnp.asarray(_cu(Q_LENS))
+
+    def call(q, k, v, cu, bound):
+        return ax.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=bound,
+                                   max_seqlen_kv=bound, causal=True)
+
+    loose = jax.jit(lambda q, k, v, cu: call(q, k, v, cu, LOOSE))(q, k, v, cu)
+    tight = call(q, k, v, cu, 70)
+    np.testing.assert_allclose(loose[0], tight[0], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(loose[1].lse, tight[1].lse, atol=2e-5, rtol=2e-5)
+    batch = jax.vmap(lambda q: call(q, k, v, cu, LOOSE)[0])(jnp.stack([q, 2 * q]))
+    np.testing.assert_allclose(batch[1], call(2 * q, k, v, cu, 70)[0], atol=2e-5, rtol=2e-5)
+
+
 def test_jit_vmap_and_traced_offsets():
     q, k, v = _arrays(Q_LENS, KV_LENS)
     cu_q, cu_kv = _cu(Q_LENS), _cu(KV_LENS)

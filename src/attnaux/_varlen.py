@@ -2,15 +2,19 @@
 
 `q` is `[total_q, q_heads, dim]`, `k`/`v` `[total_kv, kv_heads, dim]`, and sequence `i` holds
 query tokens `cu_seqlens_q[i]:cu_seqlens_q[i + 1]` and key tokens `cu_seqlens_kv[i]:
-cu_seqlens_kv[i + 1]`. Two ways serve it, picked per call (`explain` says which):
+cu_seqlens_kv[i + 1]`. These ways serve it, picked per call (`explain` says which):
 
-- **packed** (GPU `flash`): cuDNN reads the sequences in place through its ragged (THD) layout,
-  `_flash_cudnn.ragged_attention_cuda`; nothing is padded.
+- **packed** (GPU `flash`): the sequences are read in place, through cuDNN's ragged (THD)
+  layout (`_flash_cudnn.ragged_attention_cuda`), attnaux's CUDA forward over the packed tokens
+  or its Hopper kernels (`_hopper_packed`); nothing is padded (`_plan` says which when).
 - **padded**: every other backend. The tokens are gathered into `[num_seqs, max_seqlen, heads,
   dim]` and the call runs with per-sequence lengths (`q_seqlens`/`kv_seqlens`), which the kernels
   honour exactly (rows past a length are never read; causal and window follow each sequence's
   own lengths), then the rows are gathered back. The kernels skip what lies past the lengths, so
-  the work is that of the documents; the copies cost O(tokens).
+  the work is that of the documents; the copies cost O(num_seqs x max_seqlen).
+- **one packed row** (the CPU `flash` kernels, where `num_seqs x max_seqlen` would be more than
+  `ROW_MIN_SAVING` times the row): the sequences in tile-aligned regions of one row with segment
+  ids (see "One packed row" below); the copies cost O(tokens + num_seqs x a tile).
 
 The offsets are data. Where they are concrete (not traced) they are checked and a bad value is an
 error; under `jax.jit` they are made safe instead of checked: clamped into `[0, total]`, made
@@ -68,6 +72,99 @@ def _padded(x: jax.Array, side: Packing, max_seqlen: int) -> jax.Array:
         return jnp.zeros((side.lengths.shape[0], max_seqlen, *x.shape[1:]), x.dtype)
     rows = side.offsets[:-1, None] + jnp.arange(max_seqlen, dtype=jnp.int32)[None, :]
     return x[jnp.clip(rows, 0, x.shape[0] - 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# One packed row with segment ids (the CPU kernels, where padding to `max_seqlen` would be large)
+# ------------------------------------------------------------------------------------------------
+# Padding to `[num_seqs, max_seqlen]` costs `num_seqs x max_seqlen` rows, which under `jax.jit`
+# (lengths are data, so `max_seqlen` is often a loose bound such as the tokens) can be many times
+# the tokens. The CPU flash kernels skip, from per-tile ranges of segment ids, every tile pair of
+# different segments, so the sequences can instead sit in one row: sequence i in a region of its
+# own that starts at a tile boundary (so no tile holds two sequences, and a NaN in one sequence
+# never meets another's rows in a product), its queries and keys placed so that the row's
+# top-left causal diagonal is the sequence's own alignment (bottom-right: both sides end at the
+# region's `span`). Segment ids keep every side sorted (what the per-tile ranges need): 3i for
+# sequence i's tokens, 3i + 1 for the query rows of its region's gap and 3i + 2 for its key rows'
+# gap (seen by no row), i = num_seqs after the last region.
+ROW_TILE = 64  # the CPU flash kernels' tiles (kBlockQ = kBlockK, csrc/cpu/attention_tile.h)
+ROW_MIN_SAVING = 2  # the row replaces padding only where padding would be this many times longer
+
+
+def row_length(num_seqs: int, q_tokens: int, kv_tokens: int, max_seqlen_q: int,
+               max_seqlen_kv: int, shared_offsets: bool = False) -> int:
+    """A static bound on the packed row: each region is its sequence's longer side, rounded up
+    to a tile. With the same offsets on both sides (`shared_offsets`) the longer sides of the
+    sequences lie within the longer side's tokens."""
+    tokens = max(q_tokens, kv_tokens) if shared_offsets else q_tokens + kv_tokens
+    spans = min(tokens, num_seqs * max(max_seqlen_q, max_seqlen_kv))
+    return -(-(spans + num_seqs * (ROW_TILE - 1)) // ROW_TILE) * ROW_TILE
+
+
+class _Row(NamedTuple):
+    """Where the tokens sit in the packed row: a partial one-to-one map both ways."""
+
+    q_dest: jax.Array  # int32 [total_q]: each token's row (any value where not covered)
+    q_src: jax.Array  # int32 [length]: each row's token (any value where `q_ids` is a gap's)
+    kv_dest: jax.Array  # int32 [total_kv]
+    kv_src: jax.Array  # int32 [length]
+    q_ids: jax.Array  # int32 [length]: segment ids of the row's queries (3i: a token's)
+    kv_ids: jax.Array  # int32 [length]
+
+
+def _row_layout(pq: Packing, pk: Packing, bottom_right: bool, length: int) -> _Row:
+    lq, lkv = pq.lengths, pk.lengths
+    span = jnp.maximum(lq, lkv)
+    region = -(-span // ROW_TILE) * ROW_TILE
+    ends = jnp.cumsum(region)
+    starts = ends - region
+    q_start = starts + span - lq if bottom_right else starts
+    kv_start = starts + span - lkv if bottom_right else starts
+    rows = jnp.arange(length, dtype=jnp.int32)
+    # each row's region (num_seqs after the last): a comparison with every end for up to 256
+    # sequences, a sort beyond (jnp.searchsorted's default, a loop, was the slowest piece)
+    owner = jnp.searchsorted(ends, rows, side="right",
+                             method="compare_all" if ends.shape[0] <= 256 else "sort")
+    seq = jnp.minimum(owner, lq.shape[0] - 1)
+
+    def side(start, lengths, offsets, gap):
+        local = rows - start[seq]
+        taken = (owner < lq.shape[0]) & (local >= 0) & (local < lengths[seq])
+        ids = jnp.where(taken, 3 * owner, 3 * owner + gap).astype(jnp.int32)
+        return (offsets[seq] + local).astype(jnp.int32), ids
+
+    q_src, q_ids = side(q_start, lq, pq.offsets, 1)
+    kv_src, kv_ids = side(kv_start, lkv, pk.offsets, 2)
+    q_dest = (q_start[pq.seq] + pq.pos).astype(jnp.int32)
+    kv_dest = (kv_start[pk.seq] + pk.pos).astype(jnp.int32)
+    # computed once: fused into the gathers that read them, XLA recomputed every row's region
+    # (its comparisons with every end) for each of the row's heads x dims elements
+    return _Row(*jax.lax.optimization_barrier((q_dest, q_src, kv_dest, kv_src, q_ids, kv_ids)))
+
+
+@jax.custom_vjp
+def _moved(x, src, src_taken, back, back_taken):
+    """`y[r] = x[src[r]]` where `src_taken[r]`, else 0, for a map that is one-to-one where taken
+    and whose inverse is `(back, back_taken)`: the gradient is the same gather the other way
+    (an XLA scatter here was ~3x the time of the gather on the CPU)."""
+    return _gather_rows(x, src, src_taken)
+
+
+def _gather_rows(x, index, taken):
+    rows = x[jnp.clip(index, 0, x.shape[0] - 1)]
+    return jnp.where(taken.reshape(-1, *(1,) * (x.ndim - 1)), rows, jnp.zeros((), x.dtype))
+
+
+def _moved_fwd(x, src, src_taken, back, back_taken):
+    return _gather_rows(x, src, src_taken), (back, back_taken)
+
+
+def _moved_bwd(saved, dy):
+    back, back_taken = saved
+    return _gather_rows(dy, back, back_taken), None, None, None, None
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,7 +228,7 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen
 # The call
 # ------------------------------------------------------------------------------------------------
 def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
-          return_probs, backend):
+          return_probs, backend, shared_offsets=False):
     """`(problem, choice, mode, explanation, (q packing, kv packing))`: the padded problem, the
     dispatch's choice for it, how the packed tokens are served (`"hopper"`: in place on
     attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"cuda"`: attnaux's CUDA
@@ -208,19 +305,46 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
         mode = "padded"
         how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
                f"the padding; the copies are O(tokens)): {ragged_no}")
+        n = cu_q.shape[0] - 1
+        length = row_length(n, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv,
+                            shared_offsets)
+        padded_rows = n * max(max_seqlen_q, max_seqlen_kv)
+        if (choice.implementation is _dispatch.implementation("flash", "cpu")
+                and problem.options.dropout_rate == 0 and not return_probs
+                and padded_rows > ROW_MIN_SAVING * length):
+            mode = "row"
+            causal = problem.options.causal
+            row = _row_layout(pq, pk, causal == 2, length)
+            statics = statics._replace(causal=1 if causal else 0)
+            q_taken, kv_taken = row.q_ids % 3 == 0, row.kv_ids % 3 == 0
+            to_q = (row.q_src, q_taken, row.q_dest, pq.covered)
+            to_kv = (row.kv_src, kv_taken, row.kv_dest, pk.covered)
+            problem = canonicalize(
+                _moved(q, *to_q)[None], _moved(k, *to_kv)[None], _moved(v, *to_kv)[None],
+                statics, q_segment_ids=row.q_ids[None], kv_segment_ids=row.kv_ids[None],
+                sink=sink, key=key)
+            choice = choose(problem, backend, return_probs)
+            row_of_token = (row.q_dest, pq.covered, row.q_src, q_taken)
+            how = (f"in one packed row of {length} tokens with segment ids (each sequence in a "
+                   f"region of its own from a {ROW_TILE}-token tile; the kernels skip the tiles "
+                   f"of other sequences): padding to [num_seqs, max_seqlen] would have made "
+                   f"{padded_rows} rows a side ({ragged_no})")
     explanation = dataclasses.replace(
         choice.explanation, packed=how,
         implementation=choice.implementation.description)
+    if mode == "row":
+        pq = pq._replace(pos=row_of_token)  # (the map of `_moved` from the row to the tokens)
     return problem, choice, mode, explanation, (pq, pk)
 
 
 @functools.partial(jax.jit, static_argnames=("statics", "max_seqlen_q", "max_seqlen_kv",
-                                             "return_probs", "backend"))
+                                             "return_probs", "backend", "shared_offsets"))
 def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
-                return_probs, backend):
+                return_probs, backend, shared_offsets):
     problem, choice, mode, explanation, (pq, pk) = _plan(
         q, k, v, cu_q, cu_kv, sink, key, statics=statics, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, return_probs=return_probs, backend=backend,
+        shared_offsets=shared_offsets,
     )
     arrays, options = problem.arrays, problem.options
     n = cu_q.shape[0] - 1
@@ -259,12 +383,16 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             out_pad, lse_pad, max_pad, probs = choice.implementation.module.run(
                 arrays, options, return_probs
             )
-            out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
+            if mode == "row":  # (pq.pos: the map from the packed row to the tokens)
+                out = _moved(out_pad[0], *pq.pos)
+                lse_t, max_t = (_moved(x[0].T, *pq.pos).T for x in (lse_pad, max_pad))
+            else:
+                out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
         if mode in ("cuda", "cuda-hopper"):  # per token, uncovered tokens at -inf already
             lse, row_max = lse_pad, max_pad
         else:
-            if mode != "hopper":
+            if mode not in ("hopper", "row"):
                 lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
             lse = jnp.where(hidden, -jnp.inf, lse_t)
             row_max = jnp.where(hidden, -jnp.inf, max_t)
@@ -287,7 +415,10 @@ def _prepare(q, k, v, options: dict):
         raise TypeError(f"varlen_attention needs the keyword arguments {missing}.")
     cu_q, cu_kv, max_q, max_kv = (options.pop(name) for name in names)
     max_q, max_kv = _static_int("max_seqlen_q", max_q), _static_int("max_seqlen_kv", max_kv)
+    shared = cu_q is cu_kv  # the same offsets both sides (self-attention): a shorter packed row
     cu_q, cu_kv = (x if isinstance(x, jax.Array) else np.asarray(x) for x in (cu_q, cu_kv))
+    if not shared and not any(isinstance(x, jax.core.Tracer) for x in (cu_q, cu_kv)):
+        shared = cu_q.shape == cu_kv.shape and bool(np.array_equal(cu_q, cu_kv))
     _check_arrays(q, k, v, cu_q, cu_kv, max_q, max_kv)
     statics = call_statics(
         options.pop("scale", None), options.pop("causal", False), options.pop("window", None),
@@ -300,7 +431,8 @@ def _prepare(q, k, v, options: dict):
                         "biases, lengths and segment ids are what cu_seqlens express.")
     if key is not None:
         check_key(key)
-    return cu_q, cu_kv, sink, key, dict(statics, max_seqlen_q=max_q, max_seqlen_kv=max_kv)
+    return cu_q, cu_kv, sink, key, dict(statics, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
+                                        shared_offsets=shared)
 
 
 def _varlen_mods(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
@@ -343,8 +475,9 @@ def varlen_attention(q, k, v, **options) -> tuple[jax.Array, AttnAux]:
       clamped so that no sequence leaves the arrays or exceeds `max_seqlen_*`.
     - `max_seqlen_q`, `max_seqlen_kv`: static ints, a bound on each side's sequences (the
       longest one where it is known; under `jit`, where lengths are data, a looser bound such
-      as the number of tokens works, and on GPU a much looser one moves the backward off
-      cuDNN's grid, whose size follows it, onto attnaux's Hopper kernels: docs/varlen.md).
+      as the number of tokens works: on CPU a much looser one lays the sequences out in one
+      packed row instead of padding each to it, and on GPU it moves the backward off cuDNN's
+      grid, whose size follows it, onto attnaux's Hopper kernels; docs/varlen.md).
     - `scale`, `causal` (`True`/`"top_left"` or `"bottom_right"`, per sequence), `window`,
       `softcap`, `sink`, `dropout_rate`, `key`, `return_probs`, `backend`: as in
       [`attnaux.attention`][].
