@@ -122,7 +122,7 @@ def _row_layout(pq: Packing, pk: Packing, bottom_right: bool, length: int) -> _R
     kv_start = starts + span - lkv if bottom_right else starts
     rows = jnp.arange(length, dtype=jnp.int32)
     # each row's region (num_seqs after the last): a comparison with every end for up to 256
-    # sequences, a sort beyond (jnp.searchsorted's default, a loop, was the slowest piece)
+    # sequences, a sort beyond
     owner = jnp.searchsorted(ends, rows, side="right",
                              method="compare_all" if ends.shape[0] <= 256 else "sort")
     seq = jnp.minimum(owner, lq.shape[0] - 1)
@@ -137,16 +137,14 @@ def _row_layout(pq: Packing, pk: Packing, bottom_right: bool, length: int) -> _R
     kv_src, kv_ids = side(kv_start, lkv, pk.offsets, 2)
     q_dest = (q_start[pq.seq] + pq.pos).astype(jnp.int32)
     kv_dest = (kv_start[pk.seq] + pk.pos).astype(jnp.int32)
-    # computed once: fused into the gathers that read them, XLA recomputed every row's region
-    # (its comparisons with every end) for each of the row's heads x dims elements
-    return _Row(*jax.lax.optimization_barrier((q_dest, q_src, kv_dest, kv_src, q_ids, kv_ids)))
+    return _Row(q_dest, q_src, kv_dest, kv_src, q_ids, kv_ids)
 
 
 @jax.custom_vjp
 def _moved(x, src, src_taken, back, back_taken):
     """`y[r] = x[src[r]]` where `src_taken[r]`, else 0, for a map that is one-to-one where taken
     and whose inverse is `(back, back_taken)`: the gradient is the same gather the other way
-    (an XLA scatter here was ~3x the time of the gather on the CPU)."""
+    (XLA's scatter, the transpose it would take, measured ~2x the gather's time on the CPU)."""
     return _gather_rows(x, src, src_taken)
 
 
@@ -229,12 +227,12 @@ def _check_arrays(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen
 # ------------------------------------------------------------------------------------------------
 def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
           return_probs, backend, shared_offsets=False):
-    """`(problem, choice, mode, explanation, (q packing, kv packing))`: the padded problem, the
+    """`(problem, choice, mode, explanation, (q packing, kv packing, row map))`: the problem, the
     dispatch's choice for it, how the packed tokens are served (`"hopper"`: in place on
     attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"cuda"`: attnaux's CUDA
     forward over the packed tokens and cuDNN's packed backward; `"cuda-hopper"`: that forward
-    and the Hopper kernels' packed backward; `"padded"`), and the explanation with that way
-    (`packed`)."""
+    and the Hopper kernels' packed backward; `"padded"`; `"row"`: one packed row on the CPU
+    kernels, the problem then that row's), and the explanation with that way (`packed`)."""
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
     problem = canonicalize(
@@ -243,6 +241,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
         sink=sink, key=key,
     )
     choice = choose(problem, backend, return_probs)
+    to_tokens = None  # mode "row": the map (`_moved`'s) from the packed row back to the tokens
     ragged_no = hopper_no = "only the GPU `flash` backend reads packed sequences in place"
     gpu_flash = (choice.implementation in (_dispatch.implementation("flash", "gpu"),
                                            _dispatch.FLASH_HOPPER_FORWARD)
@@ -304,7 +303,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     else:
         mode = "padded"
         how = (f"padded to [num_seqs, max_seqlen] with per-sequence lengths (the kernels skip "
-               f"the padding; the copies are O(tokens)): {ragged_no}")
+               f"the padding; the copies are O(num_seqs x max_seqlen)): {ragged_no}")
         n = cu_q.shape[0] - 1
         length = row_length(n, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv,
                             shared_offsets)
@@ -324,7 +323,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                 statics, q_segment_ids=row.q_ids[None], kv_segment_ids=row.kv_ids[None],
                 sink=sink, key=key)
             choice = choose(problem, backend, return_probs)
-            row_of_token = (row.q_dest, pq.covered, row.q_src, q_taken)
+            to_tokens = (row.q_dest, pq.covered, row.q_src, q_taken)
             how = (f"in one packed row of {length} tokens with segment ids (each sequence in a "
                    f"region of its own from a {ROW_TILE}-token tile; the kernels skip the tiles "
                    f"of other sequences): padding to [num_seqs, max_seqlen] would have made "
@@ -332,16 +331,14 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     explanation = dataclasses.replace(
         choice.explanation, packed=how,
         implementation=choice.implementation.description)
-    if mode == "row":
-        pq = pq._replace(pos=row_of_token)  # (the map of `_moved` from the row to the tokens)
-    return problem, choice, mode, explanation, (pq, pk)
+    return problem, choice, mode, explanation, (pq, pk, to_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("statics", "max_seqlen_q", "max_seqlen_kv",
                                              "return_probs", "backend", "shared_offsets"))
 def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_kv,
                 return_probs, backend, shared_offsets):
-    problem, choice, mode, explanation, (pq, pk) = _plan(
+    problem, choice, mode, explanation, (pq, pk, to_tokens) = _plan(
         q, k, v, cu_q, cu_kv, sink, key, statics=statics, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, return_probs=return_probs, backend=backend,
         shared_offsets=shared_offsets,
@@ -383,9 +380,9 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             out_pad, lse_pad, max_pad, probs = choice.implementation.module.run(
                 arrays, options, return_probs
             )
-            if mode == "row":  # (pq.pos: the map from the packed row to the tokens)
-                out = _moved(out_pad[0], *pq.pos)
-                lse_t, max_t = (_moved(x[0].T, *pq.pos).T for x in (lse_pad, max_pad))
+            if mode == "row":
+                out = _moved(out_pad[0], *to_tokens)
+                lse_t, max_t = (_moved(x[0].T, *to_tokens).T for x in (lse_pad, max_pad))
             else:
                 out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
