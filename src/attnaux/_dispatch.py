@@ -105,6 +105,17 @@ Hopper kernels' in time: spread 42.7 (16384 tokens, 64 documents of equal or var
 0.75-0.81x."""
 
 
+CPU_VARLEN_ROW_MIN_SAVING = 2.0
+"""How many times the rows of one packed row `varlen_attention`'s padded layout (`num_seqs x
+max_seqlen_*` a side) must be before the CPU `flash` kernels take the sequences in one packed
+row with segment ids instead (`_varlen.row_length`; docs/varlen.md). Both ways compute only the
+documents' tiles; what differs is the rows moved in and out (and the row's trailing tiles, which
+the kernels skip). Measured on 2 Zen 4 cores (float32, causal, 2026-11-28, docs/performance.md):
+with `max_seqlen` the tokens, padding 20x / 14x the tight bound's time forward / forward+backward
+(4096 tokens, 32 documents) and the row 1.6x / 1.4x; the tight bound keeps the padded layout.
+2 is a margin between the two; the crossover itself was not measured."""
+
+
 def cudnn_backward_spread(num_seqs: int, max_seqlen_q: int, max_seqlen_kv: int,
                           q_tokens: int, kv_tokens: int) -> float:
     """The 128-row tiles cuDNN's ragged backward launches (`num_seqs` x those of

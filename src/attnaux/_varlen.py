@@ -13,8 +13,9 @@ cu_seqlens_kv[i + 1]`. These ways serve it, picked per call (`explain` says whic
   own lengths), then the rows are gathered back. The kernels skip what lies past the lengths, so
   the work is that of the documents; the copies cost O(num_seqs x max_seqlen).
 - **one packed row** (the CPU `flash` kernels, where `num_seqs x max_seqlen` would be more than
-  `ROW_MIN_SAVING` times the row): the sequences in tile-aligned regions of one row with segment
-  ids (see "One packed row" below); the copies cost O(tokens + num_seqs x a tile).
+  `_dispatch.CPU_VARLEN_ROW_MIN_SAVING` times the row): the sequences in tile-aligned regions of
+  one row with segment ids (see "One packed row" below); the copies cost O(tokens + num_seqs x
+  a tile).
 
 The offsets are data. Where they are concrete (not traced) they are checked and a bad value is an
 error; under `jax.jit` they are made safe instead of checked: clamped into `[0, total]`, made
@@ -88,7 +89,6 @@ def _padded(x: jax.Array, side: Packing, max_seqlen: int) -> jax.Array:
 # sequence i's tokens, 3i + 1 for the query rows of its region's gap and 3i + 2 for its key rows'
 # gap (seen by no row), i = num_seqs after the last region.
 ROW_TILE = 64  # the CPU flash kernels' tiles (kBlockQ = kBlockK, csrc/cpu/attention_tile.h)
-ROW_MIN_SAVING = 2  # the row replaces padding only where padding would be this many times longer
 
 
 def row_length(num_seqs: int, q_tokens: int, kv_tokens: int, max_seqlen_q: int,
@@ -310,7 +310,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
         padded_rows = n * max(max_seqlen_q, max_seqlen_kv)
         if (choice.implementation is _dispatch.implementation("flash", "cpu")
                 and problem.options.dropout_rate == 0 and not return_probs
-                and padded_rows > ROW_MIN_SAVING * length):
+                and padded_rows > _dispatch.CPU_VARLEN_ROW_MIN_SAVING * length):
             mode = "row"
             causal = problem.options.causal
             row = _row_layout(pq, pk, causal == 2, length)
