@@ -212,9 +212,9 @@ def test_nan_in_one_sequence_stays_there_cpu(bound):
 
 @cpu_flash
 def test_loose_bound_under_jit_with_traced_offsets():
-    """The packed row under `jit` with traced offsets (passed once, for both sides, as
-    self-attention is written) and `vmap` over heads-sharing calls: the same as the tight
-    bound's padded call."""
+    """The packed row under `jit` with traced offsets (one array for both sides, as
+    self-attention is written) and under `vmap` over a batch of queries: the same results as
+    the tight bound's padded call."""
     q, k, v = _arrays(Q_LENS, Q_LENS)
     cu = jnp.asarray(_cu(Q_LENS))
 
