@@ -210,6 +210,19 @@ def test_nan_in_one_sequence_stays_there_cpu(bound):
     np.testing.assert_allclose(out[others], want_out[others], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("tokens", [(0, 300), (300, 0), (0, 0)], ids=str)
+def test_loose_bound_with_an_empty_side(tokens):
+    """No query or no key tokens with a loose bound: zeros and -inf, no layout built."""
+    tq, tk = tokens
+    q, k, v = jnp.ones((tq, 2, 16)), jnp.ones((tk, 2, 16)), jnp.ones((tk, 2, 16))
+    cu_q, cu_kv = (np.asarray([0, 100, 200, t], np.int32) if t else np.zeros(4, np.int32)
+                   for t in tokens)
+    out, aux = ax.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                   max_seqlen_q=LOOSE, max_seqlen_kv=LOOSE, causal=True)
+    assert out.shape == (tq, 2, 16) and not np.asarray(out).any()
+    assert aux.lse.shape == (2, tq) and np.isneginf(np.asarray(aux.lse)).all()
+
+
 @cpu_flash
 def test_loose_bound_under_jit_with_traced_offsets():
     """The packed row under `jit` with traced offsets (one array for both sides, as

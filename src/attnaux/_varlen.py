@@ -309,6 +309,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                             shared_offsets)
         padded_rows = n * max(max_seqlen_q, max_seqlen_kv)
         if (choice.implementation is _dispatch.implementation("flash", "cpu")
+                and min(q.shape[0], k.shape[0]) > 0  # (else no row sees a key: answered apart)
                 and problem.options.dropout_rate == 0 and not return_probs
                 and padded_rows > _dispatch.CPU_VARLEN_ROW_MIN_SAVING * length):
             mode = "row"
