@@ -105,11 +105,13 @@ class _Row(NamedTuple):
     """Where the tokens sit in the packed row: a partial one-to-one map both ways."""
 
     q_dest: jax.Array  # int32 [total_q]: each token's row (any value where not covered)
-    q_src: jax.Array  # int32 [length]: each row's token (any value where `q_ids` is a gap's)
+    q_src: jax.Array  # int32 [length]: each row's token (any value where not `q_taken`)
     kv_dest: jax.Array  # int32 [total_kv]
     kv_src: jax.Array  # int32 [length]
     q_ids: jax.Array  # int32 [length]: segment ids of the row's queries (3i: a token's)
     kv_ids: jax.Array  # int32 [length]
+    q_taken: jax.Array  # bool [length]: the row holds a token (`q_src` is one)
+    kv_taken: jax.Array  # bool [length]
 
 
 def _row_layout(pq: Packing, pk: Packing, bottom_right: bool, length: int) -> _Row:
@@ -131,13 +133,13 @@ def _row_layout(pq: Packing, pk: Packing, bottom_right: bool, length: int) -> _R
         local = rows - start[seq]
         taken = (owner < lq.shape[0]) & (local >= 0) & (local < lengths[seq])
         ids = jnp.where(taken, 3 * owner, 3 * owner + gap).astype(jnp.int32)
-        return (offsets[seq] + local).astype(jnp.int32), ids
+        return (offsets[seq] + local).astype(jnp.int32), ids, taken
 
-    q_src, q_ids = side(q_start, lq, pq.offsets, 1)
-    kv_src, kv_ids = side(kv_start, lkv, pk.offsets, 2)
+    q_src, q_ids, q_taken = side(q_start, lq, pq.offsets, 1)
+    kv_src, kv_ids, kv_taken = side(kv_start, lkv, pk.offsets, 2)
     q_dest = (q_start[pq.seq] + pq.pos).astype(jnp.int32)
     kv_dest = (kv_start[pk.seq] + pk.pos).astype(jnp.int32)
-    return _Row(q_dest, q_src, kv_dest, kv_src, q_ids, kv_ids)
+    return _Row(q_dest, q_src, kv_dest, kv_src, q_ids, kv_ids, q_taken, kv_taken)
 
 
 @jax.custom_vjp
@@ -316,15 +318,14 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
             causal = problem.options.causal
             row = _row_layout(pq, pk, causal == 2, length)
             statics = statics._replace(causal=1 if causal else 0)
-            q_taken, kv_taken = row.q_ids % 3 == 0, row.kv_ids % 3 == 0
-            to_q = (row.q_src, q_taken, row.q_dest, pq.covered)
-            to_kv = (row.kv_src, kv_taken, row.kv_dest, pk.covered)
+            to_q = (row.q_src, row.q_taken, row.q_dest, pq.covered)
+            to_kv = (row.kv_src, row.kv_taken, row.kv_dest, pk.covered)
             problem = canonicalize(
                 _moved(q, *to_q)[None], _moved(k, *to_kv)[None], _moved(v, *to_kv)[None],
                 statics, q_segment_ids=row.q_ids[None], kv_segment_ids=row.kv_ids[None],
                 sink=sink, key=key)
             choice = choose(problem, backend, return_probs)
-            to_tokens = (row.q_dest, pq.covered, row.q_src, q_taken)
+            to_tokens = (row.q_dest, pq.covered, row.q_src, row.q_taken)
             how = (f"in one packed row of {length} tokens with segment ids (each sequence in a "
                    f"region of its own from a {ROW_TILE}-token tile; the kernels skip the tiles "
                    f"of other sequences): padding to [num_seqs, max_seqlen] would have made "
