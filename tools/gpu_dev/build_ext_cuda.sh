@@ -6,16 +6,13 @@
 # (.gpu/fe/include), cuDNN's from its pip wheel (CUDNN_INCLUDE, default
 # /tmp/cudnnhdr/nvidia/cudnn/include: `pip download --no-deps nvidia-cudnn-cu13==9.19.*` and
 # unzip its nvidia/cudnn/include), nvrtc's from its wheel (NVRTC_INCLUDE, default
-# /tmp/nvrtchdr/nvidia/cu13/include) and the CUDA runtime's from the pip toolchain in /tmp/tc/root.
+# /tmp/nvrtchdr/nvidia/cu13/include) and the CUDA runtime's from the pip toolchain
+# (tools/gpu_dev/toolchain.sh).
 # The C++ runtime is linked statically and kept local, as CMakeLists.txt explains. The result goes
 # to .gpu/so_local; copy it over .gpu/so/ for tools/gpu_dev/pre.sh.
 set -e
 cd "$(dirname "$0")/../.."
-R=/tmp/tc/root
-PY=/tmp/py312/bin/python
-FFI=$($PY -c "import jaxlib, os; print(os.path.join(os.path.dirname(jaxlib.__file__), 'include'))")
-PB=$($PY -c "import pybind11; print(pybind11.get_include())")
-PYI=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+source tools/gpu_dev/toolchain.sh
 O=/tmp/ebuild; mkdir -p $O
 INC="-isystem $FFI -isystem ${CUDNN_INCLUDE:-/tmp/cudnnhdr/nvidia/cudnn/include}"
 INC="$INC -isystem .gpu/fe/include -isystem ${NVRTC_INCLUDE:-/tmp/nvrtchdr/nvidia/cu13/include}"

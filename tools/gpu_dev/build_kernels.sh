@@ -3,12 +3,8 @@
 # machine, with the pip CUDA toolchain in /tmp/tc/root and a py3.12 venv /tmp/py312 holding
 # jaxlib 0.11.2 (the device's) and pybind11; the result goes to .gpu/so for pre.sh.
 set -e
-cd /work/main
-R=/tmp/tc/root; export PATH=$R/nvidia/cu13/bin:$PATH
-PY=/tmp/py312/bin/python
-FFI=$($PY -c "import jaxlib, os; print(os.path.join(os.path.dirname(jaxlib.__file__), 'include'))")
-PB=$($PY -c "import pybind11; print(pybind11.get_include())")
-PYI=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+cd "$(dirname "$0")/../.."
+source tools/gpu_dev/toolchain.sh
 O=/tmp/kbuild; mkdir -p $O
 INC="-I$R/nvidia/cu13/include -I$R/nvidia/cu13/include/cccl -isystem $FFI -Icsrc"
 NV="nvcc -std=c++17 -O3 --diag-suppress=940,2473 -Xcompiler -fPIC,-fvisibility=hidden"
