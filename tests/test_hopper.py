@@ -151,6 +151,38 @@ def test_kernels_against_float32_reference(case):
                 _close(g.astype(jnp.float32), r, 3e-2, f"{form}: {name}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window, offset", [(True, None, 0), (True, None, 256),
+                                                    (False, (90, 40), 0), (False, None, 0)])
+def test_cuda_backward_over_many_heads(causal, window, offset):
+    """The CUDA C++ backward where its CTA order has several sections: 12 (batch, kv head)
+    pairs, the rows' statistics of 8 query tiles each made by the handler's first pass (with an
+    lse cotangent and query rows past `q_len`), dq, dk and dv against the float32 reference.
+    The sections hold 8 pairs and then the 4 left."""
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    sq, skv = 512, 640
+    geo = fh.Geometry(causal, window, offset, skv - 50, sq - 20)
+    q, k, v, rows, cols, dout, dlse = _kernel_inputs(3, 128, 4, sq, skv, b=3, hq=8)
+    scale, cfg = 128 ** -0.5, fh.default_config(128, skv)
+    out, lse, _ = fh.forward(q, k, v, rows, cols, scale=scale, softcap=None, geometry=geo,
+                             tile_fn=None, config=cfg)
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+    got = _cuda_backward_or_none(q, k, v, out, lse, dout, dlse, rows, cols, scale=scale,
+                                 softcap=None, geometry=geo, tile_fn=None, config=cfg)
+    if got is None:
+        pytest.skip("the CUDA C++ backward is not built into this install")
+
+    def ref(q, k, v):
+        o, lse_, _ = _reference(q, k, v, rows, cols, scale, None, geo, None)
+        return o, jnp.where(jnp.isfinite(lse_), lse_, 0.0)
+
+    _, pull = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, g, r in zip(("dq", "dk", "dv"), got, pull((dout.astype(jnp.float32), dlse)),
+                          strict=False):
+        _close(g.astype(jnp.float32), r, 3e-2, name)
+
+
 CUDA_FORWARD_CASES = [  # (head dim, kv heads, causal, window, offset)
     (64, 2, True, None, 0),
     (64, 1, False, (70, 30), 0),

@@ -140,6 +140,27 @@ struct KernelParams {
   typename Traits::TmaStats tma_stats;
 };
 
+// Which key block of which kv head and batch a CTA takes (FlashAttention-3's LPT order for its
+// causal backward): the (batch, kv head) pairs in sections of `p.section` whose Q, dO and dQ
+// sums fit in L2 together (the handler's `section`), and within a section key block by key
+// block, the first first: under a causal mask it sees the most query tiles, the last the
+// fewest (a window's blocks see about as many each, and the handler's geometries never have a
+// lower bound without an upper one).
+struct BwdTile {
+  int n_block, kv_head, b;
+};
+
+__device__ __forceinline__ BwdTile BwdTileOf(const BwdParams& p, int block_n, int index) {
+  const int n_blocks = p.kv_seq / block_n;
+  const int pairs = p.kv_heads * p.batch;
+  const int section = index / (p.section * n_blocks);
+  const int in_section = index - section * (p.section * n_blocks);
+  const int section_pairs = min(p.section, pairs - section * p.section);  // the last: the rest
+  const int n_block = in_section / section_pairs;
+  const int pair = section * p.section + (in_section - n_block * section_pairs);
+  return BwdTile{n_block, pair % p.kv_heads, pair / p.kv_heads};
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     HopperBwdKernel(const __grid_constant__ KernelParams<Traits> params) {
@@ -161,8 +182,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int lane = threadIdx.x % 32;
-  const int n0 = blockIdx.x * N;
-  const int kv_head = blockIdx.y, b = blockIdx.z;
+  const BwdTile tile = BwdTileOf(p, N, blockIdx.x);
+  const int n0 = tile.n_block * N;
+  const int kv_head = tile.kv_head, b = tile.b;
   const int group = p.q_heads / p.kv_heads;
   const int64_t kv_row = int64_t(p.kv_heads) * D;  // elements between key rows
 
@@ -196,9 +218,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
       Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
       Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<N>, Int<D>>{},
-                             make_coord(blockIdx.x, 0));
+                             make_coord(tile.n_block, 0));
       Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<N>, Int<D>>{},
-                             make_coord(blockIdx.x, 0));
+                             make_coord(tile.n_block, 0));
       auto tma_k = params.tma_k.get_slice(Int<0>{});
       auto tma_v = params.tma_v.get_slice(Int<0>{});
       FullBarrier::arrive_and_expect_tx(&shared.kv_full, Traits::kKvBytes);
@@ -354,8 +376,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       FenceAsyncShared();
       __syncwarp();
       if (lane == 0) {
-        const int64_t tile = (int64_t(b) * p.q_heads + h) * (p.q_seq / M) + m0 / M;
-        BulkReduceAdd(p.dq_accum + (tile * 2 + wg) * Traits::kDqWarpgroupFloats +
+        const int64_t q_tile = (int64_t(b) * p.q_heads + h) * (p.q_seq / M) + m0 / M;
+        BulkReduceAdd(p.dq_accum + (q_tile * 2 + wg) * Traits::kDqWarpgroupFloats +
                           (wg_thread / 32) * kWarpFloats,
                       dq_smem, kWarpFloats * 4);
       }
@@ -369,30 +391,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // dK (times the softmax scale) and dV through shared memory (the Q and dO stages, free once
   // both warpgroups' last products are done), then out in 16-byte rows: writing the
-  // accumulators' element pairs straight to global memory took ~8% of the kernel at 2048 keys
+  // accumulators' element pairs straight to global memory took ~8% of the kernel at 2048 keys.
+  // Into shared memory by stmatrix (FlashAttention-3's epilogue): element by element the
+  // compiler made them 128 generic 2-byte stores a thread, with 40 bytes of spilled addresses
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every product of the loop is done
   Tensor sdK = make_tensor(make_smem_ptr(shared.q), typename Traits::SmemLayoutKV{});
   Tensor sdV = make_tensor(make_smem_ptr(shared.dout), typename Traits::SmemLayoutKV{});
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  Tensor tdKsdK = thr_dkv.partition_C(sdK);
-  Tensor tdVsdV = thr_dkv.partition_C(sdV);
-  CUTE_UNROLL
-  for (int i = 0; i < size(tdKrdK); ++i) {
-    tdKsdK(i) = static_cast<T>(tdKrdK(i) * p.scale);
-    tdVsdV(i) = static_cast<T>(tdVrdV(i));
+  {
+    auto dkv_store = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_dkv);
+    auto thr_dkv_store = dkv_store.get_thread_slice(tid);
+    Tensor rdK = make_tensor_like<T>(tdKrdK);
+    Tensor rdV = make_tensor_like<T>(tdVrdV);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) {
+      rdK(i) = static_cast<T>(tdKrdK(i) * p.scale);
+      rdV(i) = static_cast<T>(tdVrdV(i));
+    }
+    copy(dkv_store, thr_dkv_store.retile_S(rdK),
+         thr_dkv_store.partition_D(as_position_independent_swizzle_tensor(sdK)));
+    copy(dkv_store, thr_dkv_store.retile_S(rdV),
+         thr_dkv_store.partition_D(as_position_independent_swizzle_tensor(sdV)));
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   constexpr int kChunks = D / 8;  // 16-byte chunks a row
   T* dk = static_cast<T*>(p.dk) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
   T* dv = static_cast<T*>(p.dv) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
+  static_assert(N * kChunks % Traits::kConsumerThreads == 0);
   CUTE_UNROLL
-  for (int c = tid; c < N * kChunks; c += Traits::kConsumerThreads) {
+  for (int i = 0; i < N * kChunks / Traits::kConsumerThreads; ++i) {
+    const int c = tid + i * Traits::kConsumerThreads;
     const int row = c / kChunks, col = (c % kChunks) * 8;
     // a 16-byte chunk of a row stays whole under the 128-byte swizzle
-    *reinterpret_cast<uint4*>(dk + row * kv_row + col) =
-        *reinterpret_cast<const uint4*>(&sdK(row, col));
-    *reinterpret_cast<uint4*>(dv + row * kv_row + col) =
-        *reinterpret_cast<const uint4*>(&sdV(row, col));
+    const uint4 k_chunk = LoadShared128(&sdK(row, col));
+    const uint4 v_chunk = LoadShared128(&sdV(row, col));
+    StoreGlobal128(dk + row * kv_row + col, k_chunk);
+    StoreGlobal128(dv + row * kv_row + col, v_chunk);
   }
 }
 

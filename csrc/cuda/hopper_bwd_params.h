@@ -5,10 +5,12 @@
 // Layouts (the padded problem of `_flash_hopper.backward`): q, dout [batch, q_seq, q_heads, dim];
 // k, v, dk, dv [batch, kv_seq, kv_heads, dim]; dq_accum [batch, q_heads, q_seq / 64, 2, 64 * dim / 2]
 // float32, the unscaled dS K summed by every key block's CTA, a query tile's two column halves in
-// the order of the wgmma accumulator's registers (`_flash_hopper._cuda_dq` reorders it); stats
-// [batch, q_heads, 2, q_seq] float32: per
-// row the lse in log2 units (+inf for a row that sees nothing, so that P = 0 there) and the row
-// term D - dlse, D = rowsum(dO * O).
+// the order of the wgmma accumulator's registers (`_flash_hopper._cuda_dq` reorders it); out
+// [batch, q_seq, q_heads, dim] (the forward's, q's dtype); lse, dlse [batch, q_heads, q_seq]
+// float32 (natural log, and its cotangent); stats [batch, q_heads, 2, q_seq] float32, written by
+// the first pass (hopper_bwd_preprocess.cuh) and read by the main kernel: per row the lse in
+// log2 units (+inf for a row that sees nothing, so that P = 0 there) and the row term D - dlse,
+// D = rowsum(dO * O).
 #pragma once
 
 #include <cstdint>
@@ -24,10 +26,15 @@ struct BwdParams : HopperGeometry {
   const void* k;
   const void* v;
   const void* dout;
-  const float* stats;
+  const void* out;
+  const float* lse;
+  const float* dlse;
+  float* stats;
   float* dq_accum;
   void* dk;
   void* dv;
+  // (batch, kv head) pairs a section of the CTAs' order (hopper_bwd_kernel.cuh, BwdTileOf)
+  int section;
 };
 
 }  // namespace attnaux_hopper

@@ -126,4 +126,12 @@ __device__ __forceinline__ uint4 LoadShared128(const void* smem) {
   return v;
 }
 
+// a 16-byte global store (st.global.v4): from the registers that LoadShared128 filled the
+// compiler split the plain C++ store into four 4-byte ones
+__device__ __forceinline__ void StoreGlobal128(void* gmem, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 }  // namespace attnaux_hopper

@@ -1065,9 +1065,17 @@ def _tile_grads(mod, s, q_pos, kv_pos, b, h, row_vals, col_vals, masked: bool):
 
 def _row_stats(out, lse, dout, dlse):
     """`[B, Hq, 2, Sq]` float32: per row the lse in log2 units (+inf for a row that sees
-    nothing, so that P = 0 there) and the row term D - dlse, D = rowsum(dO * O)."""
+    nothing, so that P = 0 there) and the row term D - dlse, D = rowsum(dO * O).
+
+    D is summed in the operands' `[B, Sq, Hq]` order and only then transposed: XLA fused the
+    sum straight into the `[B, Hq, Sq]` stack as a loop that read O and dO across rows, 136 us
+    against 24 + 2 for this form (H100, 4x2048x16x128 bf16; docs/performance.md, 2026-11-28
+    eleventh session). The barrier keeps that fusion apart."""
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    common = jnp.promote_types(out.dtype, dout.dtype)
+    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(common), out.astype(common),
+                       preferred_element_type=jnp.float32)
+    delta = jnp.swapaxes(jax.lax.optimization_barrier(delta), 1, 2)
     return jnp.stack([lse2, delta - dlse.astype(jnp.float32)], axis=2)
 
 
@@ -1219,9 +1227,9 @@ def _cuda_backward_serves(q, config: Config, *, softcap, geometry: Geometry, til
 def _cuda_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float,
                    geometry: Geometry):
     """`backward` of plain scores on attnaux's CUDA C++ Hopper kernel (csrc/cuda/hopper_bwd.cu):
-    one kernel, a CTA per 128 keys of a kv head, FlashAttention-3's five products per tile pair,
-    dQ's float32 partial sums bulk-reduce-added into a buffer that `_cuda_dq` reorders and
-    scales."""
+    a first pass (`_row_stats` per row, the dQ sums zeroed), then one kernel, a CTA per 128
+    keys of a kv head, FlashAttention-3's five products per tile pair, dQ's float32 partial
+    sums bulk-reduce-added into a buffer that `_cuda_dq` reorders and scales."""
     import numpy as np
 
     kv_seq = k.shape[1]
@@ -1230,11 +1238,14 @@ def _cuda_backward(q, k, v, out, lse, dout, dlse, rows, cols, *, scale: float,
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     bsz, q_seq, q_heads, dim = q.shape
     dq_shape = (bsz, q_heads, q_seq // BLOCK_Q, 2, BLOCK_Q * dim // 2)
-    dq_sum, dk, dv = jax.ffi.ffi_call(CUDA_BACKWARD_TARGET, (
+    # the handler's first pass computes `_row_stats` into the last result (a work buffer) and
+    # zeroes the dQ sums: XLA's fusion of `_row_stats` took 2-3x the time of that pass
+    dq_sum, dk, dv, _ = jax.ffi.ffi_call(CUDA_BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(dq_shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype)))(
-        q, k, v, dout.astype(q.dtype), _row_stats(out, lse, dout, dlse),
-        scale=np.float32(scale), **_geometry_attrs(geometry))
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((bsz, q_heads, 2, q_seq), jnp.float32)))(
+        q, k, v, out.astype(q.dtype), dout.astype(q.dtype), lse.astype(jnp.float32),
+        dlse.astype(jnp.float32), scale=np.float32(scale), **_geometry_attrs(geometry))
     return _cuda_dq(dq_sum, scale, q.dtype), dk[:, :kv_seq], dv[:, :kv_seq], rows, cols
 
 
