@@ -702,6 +702,81 @@ def test_the_forward_on_hopper_rule(monkeypatch):
     assert rule(_problem(**causal)) is None
 
 
+def test_the_backward_on_cuda_rule(monkeypatch):
+    """`_dispatch.gpu_backward_on_cuda`: causal attention without a window at head dim 128,
+    16-bit, q_seq and kv_seq >= 1024 and q_seq a multiple of 64, the kernel built and XLA not
+    asked for deterministic results (the device and build checks stubbed, so that the rule
+    itself runs off a Hopper GPU too); the dispatch then pairs it with either forward."""
+    from attnaux import _dispatch
+
+    monkeypatch.setattr(fh, "device_unavailable", lambda q, k, v: None)
+    monkeypatch.setattr(_ffi, "has_target", lambda name, platform: True)
+    rule = _dispatch.gpu_backward_on_cuda
+    causal = dict(causal="top_left")
+    assert rule(_problem(**causal)) is not None
+    assert rule(_problem(q_seq=1024, kv_seq=1024, **causal)) is not None
+    assert rule(_problem(q_seq=1024, kv_seq=3072, causal="bottom_right")) is not None
+    assert rule(_problem()) is None  # no mask: a tie with cuDNN
+    assert rule(_problem(causal="top_left", window=(256, 0))) is None  # not measured
+    assert rule(_problem(q_seq=512, kv_seq=512, **causal)) is None  # not measured
+    assert rule(_problem(q_seq=1056, kv_seq=1056, **causal)) is None  # q_seq % 64
+    assert rule(_problem(dim=64, **causal)) is None
+    assert rule(_problem(softcap=30.0, **causal)) is None
+    assert rule(_problem(dropout_rate=0.1, **causal)) is None
+    assert rule(_problem(q_seqlens=jnp.array([100], jnp.int32), **causal)) is None
+    assert rule(_problem(bias=jnp.zeros((1, 1, 2048, 2048), jnp.float32), **causal)) is None
+    ids = jnp.zeros((1, 2048), jnp.int32)
+    assert rule(_problem(q_segment_ids=ids, kv_segment_ids=ids, **causal)) is None
+    monkeypatch.setattr(fh, "deterministic_requested", lambda: True)
+    assert rule(_problem(**causal)) is None
+    monkeypatch.setattr(fh, "deterministic_requested", lambda: False)
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dispatch._flash_cudnn, "unavailable", lambda problem, platform: None)
+    monkeypatch.setattr(_dispatch, "GPU_FORWARD_ON_HOPPER", True)
+    for q_seq, impl in ((2048, _dispatch.FLASH_HOPPER_BOTH),
+                        (1024, _dispatch.FLASH_CUDA_BACKWARD)):
+        choice = _dispatch.choose(_problem(q_seq=q_seq, kv_seq=q_seq, **causal), "flash",
+                                  False)
+        assert choice.implementation is impl, choice.explanation
+    monkeypatch.setattr(_dispatch, "GPU_BACKWARD_ON_CUDA", False)
+    assert rule(_problem(**causal)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, q_seq, kv_seq, sink", [
+    ("top_left", 1024, 1024, False), ("top_left", 2048, 2048, True),
+    ("bottom_right", 1024, 1280, True)])
+def test_flash_with_the_cuda_backward_matches_the_reference(causal, q_seq, kv_seq, sink):
+    """`attention(backend="flash")` differentiated by the CUDA C++ backward, after cuDNN's
+    forward (1024 tokens) or the Hopper forward (2048): out, lse and the gradients (with an lse
+    cotangent) against `backend="reference"` in float32."""
+    if not ON_HOPPER:
+        pytest.skip("attnaux's own kernels need a Hopper GPU")
+    if not _ffi.has_target(fh.CUDA_BACKWARD_TARGET, "gpu"):
+        pytest.skip("the CUDA C++ backward is not built into this install")
+    keys = [jax.random.fold_in(jax.random.key(4), i) for i in range(5)]
+    q = jax.random.normal(keys[0], (2, q_seq, 8, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, kv_seq, 2, 128), jnp.bfloat16) for kk in keys[1:3])
+    dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    dlse = jax.random.normal(keys[4], (2, 8, q_seq), jnp.float32)
+    kw = dict(causal=causal, sink=jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32) if sink else None)
+    explained = ax.explain(q, k, v, backend="flash", **kw)
+    assert "CUDA C++ Hopper backward" in explained.implementation, explained
+
+    def f(backend, q, k, v):
+        out, aux = ax.attention(q, k, v, backend=backend, **kw)
+        return out, aux.lse
+
+    got, pull = jax.vjp(functools.partial(f, "flash"), q, k, v)
+    want, pull_ref = jax.vjp(functools.partial(f, "reference"),
+                             *(x.astype(jnp.float32) for x in (q, k, v)))
+    _close(got[0], want[0], 3e-2, "out")
+    _close(got[1], want[1], 1e-4, "lse")
+    for name, g, r in zip("qkv", pull((dout, dlse)), pull_ref((dout.astype(jnp.float32), dlse)),
+                          strict=True):
+        _close(g.astype(jnp.float32), r, 3e-2, f"d{name}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, window, q_seq, kv_seq, sink", [
     ("top_left", None, 2048, 2048, False), ("top_left", None, 2048, 2048, True),

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from . import (
+    _ffi,
     _flash_cpu,
     _flash_cudnn,
     _flash_hopper,
@@ -135,11 +136,26 @@ FLASH_HOPPER_FORWARD = Implementation(  # `_flash_cudnn` with the Hopper kernel'
     "attnaux's Hopper forward kernel (Pallas Mosaic GPU) and cuDNN's fused backward (XLA FFI, "
     "gpu)", "attnaux",
 )
+FLASH_CUDA_BACKWARD = Implementation(  # `_flash_cudnn` with the CUDA C++ backward
+    types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
+                          run=functools.partial(_flash_cudnn.run,
+                                                backward_kernel=_hopper_mods.plain_backward)),
+    "cuDNN's fused forward and attnaux's CUDA C++ Hopper backward (XLA FFI, gpu)", "attnaux",
+)
+FLASH_HOPPER_BOTH = Implementation(  # `_flash_cudnn` with attnaux's kernels both ways
+    types.SimpleNamespace(unavailable=_flash_cudnn.unavailable,
+                          run=functools.partial(_flash_cudnn.run,
+                                                forward_kernel=_hopper_mods.plain_forward,
+                                                backward_kernel=_hopper_mods.plain_backward)),
+    "attnaux's Hopper forward kernel (Pallas Mosaic GPU) and its CUDA C++ Hopper backward (XLA "
+    "FFI, gpu)", "attnaux",
+)
 GPU_FORWARD_ON_HOPPER = True
 GPU_HOPPER_FORWARD_HEAD_DIMS = (128,)
 GPU_HOPPER_FORWARD_MIN_SEQ = 2048
 """Where GPU `flash` runs the forward on attnaux's Hopper kernel (`_flash_hopper.forward`) and
-differentiates it with cuDNN's backward, which takes the kernel's out and lse as its residuals:
+differentiates it with cuDNN's backward (or the CUDA C++ one, `GPU_CUDA_BACKWARD_MIN_SEQ`), which
+takes the kernel's out and lse as its residuals:
 causal attention (top-left or bottom-right, a window and GQA allowed, a sink after; no bias,
 mask, segment ids, sequence lengths, softcap or dropout) at head dim 128 with q_seq and kv_seq
 both >= 2048 (the shapes measured had q_seq == kv_seq; shorter query blocks, decode among them,
@@ -149,6 +165,20 @@ docs/performance.md): causal, the Hopper forward took 1.04-1.14x cuDNN's speed a
 tokens; without a mask 0.99-1.04x (a tie: the same kernel measured up to 11% apart within one
 run), at 1024 tokens 0.92-0.96x and at head dim 64 0.91-0.93x, so cuDNN keeps those. cuDNN's
 backward stays: FA3 / Hopper forward+backward 0.69-0.81x, FA3 / cuDNN 0.79-0.92x."""
+GPU_BACKWARD_ON_CUDA = True
+GPU_CUDA_BACKWARD_MIN_SEQ = 1024
+"""Where GPU `flash` differentiates with attnaux's CUDA C++ Hopper backward
+(`_flash_hopper._cuda_backward`, through `_hopper_mods.plain_backward`) instead of cuDNN's,
+whichever forward ran: causal attention (top-left or bottom-right, GQA allowed, a sink after; no
+window, bias, mask, segment ids, sequence lengths, softcap or dropout) at head dim 128 in
+bfloat16 or float16, q_seq and kv_seq both >= 1024 and q_seq a multiple of 64, on a Hopper GPU
+with the kernel built, and XLA not asked for deterministic results (its dQ sums come in a
+varying order).
+Measured on an H100 (2026-11-28, eleventh session, docs/performance.md; bf16, 16 heads x 128,
+one call's GPU timeline), the backward's kernels a call, CUDA / cuDNN: causal 306 / 321 us at
+8x1024, 436 / 469 at 4x2048, 1225 / 1374 at 1x8192; without a mask 690 / 692 at 4x2048, a tie,
+so cuDNN keeps the calls without a causal mask. Windows, head dims 64 and 256 and shorter
+sequences were not measured (the kernel serves head dim 128 alone)."""
 SAVES_PROBS = {"flash": False, "probs": True, "small_seq": True, "reference": True}
 """Whether a backend can fill `aux.probs` (on every platform)."""
 SMALL_SEQ_MAX_KV_SEQ = _small_seq.MAX_KV_SEQ
@@ -287,9 +317,32 @@ def gpu_forward_on_hopper(problem: Problem) -> str | None:
             or min(q_seq, kv_seq) < GPU_HOPPER_FORWARD_MIN_SEQ
             or _flash_cudnn.padding_needed(o, q_seq, kv_seq)):
         return None
-    return (f"forward on attnaux's Hopper kernel, backward on cuDNN's (causal attention, head "
+    return (f"forward on attnaux's Hopper kernel (causal attention, head "
             f"dim {dim}, q_seq={q_seq} and kv_seq={kv_seq} >= {GPU_HOPPER_FORWARD_MIN_SEQ}: "
             "GPU_HOPPER_FORWARD_MIN_SEQ, measured faster than cuDNN's forward there)")
+
+
+def gpu_backward_on_cuda(problem: Problem) -> str | None:
+    """Why GPU `flash` differentiates this call with attnaux's CUDA C++ Hopper backward
+    (`GPU_CUDA_BACKWARD_MIN_SEQ`), or None where cuDNN's backward runs."""
+    a, o = problem.arrays, problem.options
+    if not GPU_BACKWARD_ON_CUDA or _flash_hopper.device_unavailable(a.q, a.k, a.v) is not None:
+        return None
+    q_seq, kv_seq = a.q.shape[1], a.k.shape[1]
+    plain = (a.bias is None and a.mask is None and a.q_segment_ids is None
+             and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
+             and o.dropout_rate == 0 and o.causal != 0 and o.window_left < 0
+             and o.window_right < 0)
+    if (not plain or a.q.shape[-1] != 128 or a.v.shape[-1] != 128
+            or a.q.dtype not in (np.dtype("bfloat16"), np.dtype("float16"))
+            or q_seq % _flash_hopper.BLOCK_Q or min(q_seq, kv_seq) < GPU_CUDA_BACKWARD_MIN_SEQ
+            or _flash_cudnn.padding_needed(o, q_seq, kv_seq)
+            or _flash_hopper.deterministic_requested()
+            or not _ffi.has_target(_flash_hopper.CUDA_BACKWARD_TARGET, "gpu")):
+        return None
+    return (f"backward on attnaux's CUDA C++ Hopper kernel (causal attention, head dim 128, "
+            f"q_seq={q_seq} and kv_seq={kv_seq} >= {GPU_CUDA_BACKWARD_MIN_SEQ}: "
+            "GPU_CUDA_BACKWARD_MIN_SEQ, measured faster than cuDNN's backward there)")
 
 
 def _platform() -> str:
@@ -421,9 +474,15 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
     impl = implementation(chosen, platform)
     hopper_forward = (gpu_forward_on_hopper(problem)
                       if chosen == "flash" and platform == "gpu" else None)
+    cuda_backward = (gpu_backward_on_cuda(problem)
+                     if chosen == "flash" and platform == "gpu" else None)
     if hopper_forward is not None:
-        impl = FLASH_HOPPER_FORWARD
+        impl = FLASH_HOPPER_FORWARD if cuda_backward is None else FLASH_HOPPER_BOTH
         reasons["flash"] += f"; {hopper_forward}"
+    elif cuda_backward is not None:
+        impl = FLASH_CUDA_BACKWARD
+    if cuda_backward is not None:
+        reasons["flash"] += f"; {cuda_backward}"
     if problem.arrays.q_segment_ids is not None:
         hopper_no = (_hopper_packed.unavailable(problem, platform) if GPU_PACKED_ON_HOPPER
                      else "GPU_PACKED_ON_HOPPER is off")

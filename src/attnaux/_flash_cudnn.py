@@ -143,6 +143,10 @@ class Config(NamedTuple):
     # `ragged`, `(cfg, q, k, v, q_len, kv_len, q_offsets, kv_offsets) -> (out, lse, max)`, the
     # statistics per token `[1, Hq, Tq]` (`_hopper_packed.cuda_forward`); None: cuDNN
     forward_kernel: Callable | None = None
+    # a kernel run in cuDNN's backward's place, `(cfg, q, k, v, out, lse, dout, dlse) -> (dq,
+    # dk, dv)` (`_dispatch.gpu_backward_on_cuda`: attnaux's CUDA C++ Hopper backward, plain
+    # attention only: no padding, mask, bias or dropout); None: cuDNN
+    backward_kernel: Callable | None = None
 
 
 def padding_needed(options: Options, q_seq: int, kv_seq: int) -> bool:
@@ -518,6 +522,10 @@ def _core_bwd(cfg: Config, residuals, cotangents):
     dout = jnp.zeros_like(out) if no_out else dout.astype(out.dtype)
     if not no_lse:
         dlse = dlse.astype(jnp.float32)
+    if cfg.backward_kernel is not None:  # plain attention: every row sees a key, stats is lse
+        dq, dk, dv = cfg.backward_kernel(cfg, q, k, v, out, stats, dout,
+                                         jnp.zeros_like(stats) if no_lse else dlse)
+        return (dq, dk, dv, None, None, None, None)
     q_seq, kv_seq = q.shape[1], k.shape[1]
     if cfg.padding or cfg.masked:
         visible = stats < jnp.inf  # [B, Hq, Sq]: the forward set +inf for rows seeing nothing
@@ -603,13 +611,16 @@ def _prepare(arrays: Canonical, options: Options, *, with_max: bool = True,
 
 def flash_attention_cuda(
     arrays: Canonical, options: Options, *, with_max: bool = True, composite: bool = False,
-    forward_kernel: Callable | None = None,
+    forward_kernel: Callable | None = None, backward_kernel: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(out [B,Sq,Hq,Dv], lse [B,Hq,Sq], max [B,Hq,Sq])` through cuDNN (`unavailable` is None).
 
     `forward_kernel` (the dispatch's `FLASH_HOPPER_FORWARD`, where `gpu_forward_on_hopper`
     holds: attnaux's Hopper kernel) runs the forward instead of cuDNN's, `(cfg, q, k, v) ->
     (out, lse, max)`, and cuDNN's backward differentiates it from its out and lse.
+    `backward_kernel` (where `gpu_backward_on_cuda` holds: attnaux's CUDA C++ Hopper backward)
+    runs the backward instead of cuDNN's, from the forward's out and lse, `(cfg, q, k, v, out,
+    lse, dout, dlse) -> (dq, dk, dv)`.
 
     `with_max=False` asks cuDNN for its Stats (lse) alone and returns lse in place of max, and
     `composite=True` pins cuDNN's composite SDPA implementation for the forward (the frontend
@@ -628,7 +639,7 @@ def flash_attention_cuda(
             out, lse = add_sink(out, none, arrays.sink)
         return out, lse, none
     cfg, core_args = _prepare(arrays, options, with_max=with_max, composite=composite)
-    cfg = cfg._replace(forward_kernel=forward_kernel)
+    cfg = cfg._replace(forward_kernel=forward_kernel, backward_kernel=backward_kernel)
     out, lse, row_max = _core(cfg, *core_args)
     if arrays.sink is not None:
         out, lse = add_sink(out, lse, arrays.sink)
@@ -636,10 +647,11 @@ def flash_attention_cuda(
 
 
 def run(arrays: Canonical, options: Options, return_probs: bool, *,
-        forward_kernel: Callable | None = None):
+        forward_kernel: Callable | None = None, backward_kernel: Callable | None = None):
     """`(out, lse, max, None)` through cuDNN: the dispatch's entry (see `flash_attention_cuda`)."""
     del return_probs  # flash saves no probabilities (the dispatch never asks it to)
-    return (*flash_attention_cuda(arrays, options, forward_kernel=forward_kernel), None)
+    return (*flash_attention_cuda(arrays, options, forward_kernel=forward_kernel,
+                                  backward_kernel=backward_kernel), None)
 
 
 FOLLOWS_BLOCK_STATE = False

@@ -543,6 +543,27 @@ def plain_forward(cfg, q, k, v):
     return out[:, :q_seq], lse[..., :q_seq], row_max[..., :q_seq]
 
 
+def plain_backward(cfg, q, k, v, out, lse, dout, dlse):
+    """`(dq, dk, dv)` of plain attention on the CUDA C++ Hopper backward
+    (`_flash_hopper._cuda_backward`), partitioned like `run`'s, from the forward's out and lse
+    (`[B, Hq, Sq]`, natural log; cuDNN's or the Hopper forward's) and the cotangents of out and
+    lse; `cfg` as `plain_forward`'s. No VJP of its own: GPU `flash` runs it in its custom VJP's
+    backward in cuDNN's place (`_dispatch.gpu_backward_on_cuda`, which checks that the CUDA
+    kernel serves the call)."""
+    bsz, q_seq, q_heads, dim = q.shape
+    kv_seq = k.shape[1]
+    geometry = geometry_of(cfg, q_seq, kv_seq)
+    config = dataclasses.replace(_config(dim, kv_seq, geometry), cuda_backward=True)
+    st = Static(None, None, float(cfg.scale), geometry, config, None)
+    ids = (jnp.arange(bsz, dtype=jnp.int32), jnp.arange(q_heads, dtype=jnp.int32))
+    # rows past q_seq lie past the geometry's q_len: nothing of theirs enters the products
+    dq, dk, dv = _ops(st)[1](
+        _pad(q, 1, 128), _pad(k, 1, 128), _pad(v, 1, 128), *ids, _pad(out, 1, 128),
+        _pad(lse.astype(jnp.float32), 2, 128), _pad(dout.astype(q.dtype), 1, 128),
+        _pad(dlse.astype(jnp.float32), 2, 128))
+    return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
+
+
 def _config(dim: int, kv_seq: int, geometry: hopper.Geometry, widen: bool = True):
     """`hopper.default_config` for the keys as the kernels see them (padded to 128, `_pad`);
     `widen=False` keeps the 128-key forward tiles."""
