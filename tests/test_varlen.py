@@ -372,15 +372,18 @@ def packed_path(request):
 
 
 @contextlib.contextmanager
-def _varlen_flags(prefers_hopper: bool, cuda_forward: bool, hopper_backward: bool = False):
+def _varlen_flags(prefers_hopper: bool, cuda_forward: bool, hopper_backward: bool = False,
+                  cuda_backward: bool = False):
     """`_dispatch`'s varlen switches for a test (the CUDA forward at any `max_seqlen_q`; with
     `hopper_backward`, the Hopper kernels' packed backward in place of cuDNN's whatever its
-    spread), JAX's caches cleared around the change (the switches are read at trace time)."""
+    spread; with `cuda_backward`, the CUDA kernels both ways at any `max_seqlen_q`, else never),
+    JAX's caches cleared around the change (the switches are read at trace time)."""
     names = ("GPU_VARLEN_PREFERS_HOPPER", "GPU_VARLEN_CUDA_FORWARD",
-             "GPU_VARLEN_CUDA_FORWARD_MIN_SEQ", "GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD")
+             "GPU_VARLEN_CUDA_FORWARD_MIN_SEQ", "GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD",
+             "GPU_VARLEN_CUDA_BACKWARD", "GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ")
     saved = tuple(getattr(_dispatch, name) for name in names)
     spread = -1.0 if hopper_backward else float("inf")
-    for name, value in zip(names, (prefers_hopper, cuda_forward, 0, spread)):
+    for name, value in zip(names, (prefers_hopper, cuda_forward, 0, spread, cuda_backward, 0)):
         setattr(_dispatch, name, value)
     jax.clear_caches()
     try:
@@ -437,13 +440,96 @@ def test_gpu_ragged_parity(options, heads, packed_path):
     assert not np.asarray(got[1][nk:], np.float32).any()
 
 
+CUDA_BOTH = "attnaux's CUDA C++ Hopper kernels both ways"  # `explain` of "cuda-cuda"
+
+
 @gpu_only
-@pytest.mark.parametrize("dim,backward", [(128, "cudnn"), (256, "cudnn"), (128, "hopper")])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal="bottom_right"),
+                                     dict(window=(32, 0)), dict(causal=True, window=(20, 0))],
+                         ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_gpu_cuda_backward_parity(options, heads):
+    """attnaux's CUDA kernels both ways over packed tokens at head dim 128 (mode `cuda-cuda`):
+    empty sequences on either side, length 1, sequences longer than a key block, NaN in the
+    padding tokens; out, lse and the gradients of a loss with an lse term against the
+    per-sequence reference, and zero gradients for the padding tokens."""
+    if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_BACKWARD_TARGET, "gpu"):
+        pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
+    q, k, v, cu_q, cu_kv = _nan_padded(GPU_Q_LENS, GPU_KV_LENS, heads=heads, dims=(128, 128),
+                                       extra=(7, 9), dtype=jnp.bfloat16)
+    nq, nk = sum(GPU_Q_LENS), sum(GPU_KV_LENS)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=257, max_seqlen_kv=257,
+                backend="flash", **options)
+    with _varlen_flags(False, True, cuda_backward=True):
+        assert CUDA_BOTH in ax.explain(q, k, v, **args).packed
+        fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
+        got = _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, jit=True)
+    assert not np.asarray(got[0][nq:], np.float32).any()
+    assert not np.asarray(got[1][nk:], np.float32).any()
+    assert not np.asarray(got[2][nk:], np.float32).any()
+
+
+@gpu_only
+@pytest.mark.parametrize("options", [dict(causal=True), dict()], ids=str)
+def test_gpu_cuda_backward_nan_in_one_sequence(options):
+    """A NaN stored in the first token of a sequence (q, k and v) reaches no other sequence's
+    outputs or gradients on attnaux's CUDA kernels both ways: the blocks of the sequences
+    before it (one of 130 tokens, one of 1) load that token past their own ends and zero it
+    first."""
+    if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_BACKWARD_TARGET, "gpu"):
+        pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
+    lens = (130, 1, 257, 64)
+    q, k, v = _arrays(lens, lens, heads=(8, 2), dims=(128, 128), extra=(0, 0),
+                      dtype=jnp.bfloat16)
+    cu = _cu(lens)
+    bad = int(cu[2])
+    q, k, v = (x.at[bad].set(jnp.nan) for x in (q, k, v))
+    others = np.ones(q.shape[0], bool)
+    others[cu[2]:cu[3]] = False
+    args = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=257, max_seqlen_kv=257,
+                backend="flash", **options)
+
+    def loss(fn):
+        def value(q, k, v):
+            out, aux = fn(q, k, v)
+            w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+            kept = jnp.asarray(others)
+            lse = jnp.where(kept[None, :] & jnp.isfinite(aux.lse), aux.lse, 0.0)
+            return (jnp.sum(jnp.where(kept[:, None, None], out.astype(jnp.float32) * w, 0))
+                    + 0.1 * jnp.sum(lse ** 2))
+        return value
+
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu, cu, **options)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    with _varlen_flags(False, True, cuda_backward=True):
+        fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
+        assert CUDA_BOTH in ax.explain(q, k, v, **args).packed
+        out, _ = jax.jit(fn)(q, k, v)
+        got = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+    # (the reference on the inputs with the NaN made 0: its padding gathers other sequences'
+    # tokens, so a NaN there would reach every sequence's dq through 0 * NaN; the other
+    # sequences' values are the same either way)
+    f32 = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
+    want_out, _ = _per_sequence(*f32, cu, cu, **options)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)
+    np.testing.assert_allclose(np.asarray(out, np.float32)[others],
+                               np.asarray(want_out)[others], atol=2e-2, rtol=2e-2)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32)[others], np.asarray(w)[others]
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("dim,backward", [(128, "cudnn"), (256, "cudnn"), (128, "hopper"),
+                                          (128, "cuda")])
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal="bottom_right"),
                                      dict(causal=True, window=(200, 0))], ids=str)
 def test_gpu_cuda_forward_long_sequences(dim, backward, options):
     """attnaux's CUDA forward over packed tokens at head dims 128 and 256, differentiated by
-    cuDNN's ragged backward or the Hopper kernels' packed one: sequences of several 128-row
+    cuDNN's ragged backward, the Hopper kernels' packed one or attnaux's CUDA one: sequences of several 128-row
     blocks and key blocks, lengths that end inside a block, empty ones, queries and keys of
     different lengths, GQA; NaN in the padding tokens never reaches a row."""
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
@@ -453,9 +539,11 @@ def test_gpu_cuda_forward_long_sequences(dim, backward, options):
                                        extra=(11, 70), dtype=jnp.bfloat16)
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=700, max_seqlen_kv=700,
                 backend="flash", **options)
-    with _varlen_flags(False, True, hopper_backward=backward == "hopper"):
+    with _varlen_flags(False, True, hopper_backward=backward == "hopper",
+                       cuda_backward=backward == "cuda"):
         packed = ax.explain(q, k, v, **args).packed
         assert "CUDA C++" in packed and (CUDA_THEN_HOPPER in packed) == (backward == "hopper")
+        assert (CUDA_BOTH in packed) == (backward == "cuda"), packed
         fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
         _check_gpu_against_reference(fn, q, k, v, cu_q, cu_kv, options, jit=True)
 

@@ -161,7 +161,16 @@ __device__ __forceinline__ BwdTile BwdTileOf(const BwdParams& p, int block_n, in
   return BwdTile{n_block, pair % p.kv_heads, pair / p.kv_heads};
 }
 
-template <class Traits>
+// kPacked: packed sequences (hopper_bwd_packed.cu). The CTAs follow the key side's block table,
+// kv head by kv head (index = entry x kv_heads + kv head): each takes one 128-key block of one
+// run (`p.blocks`: the table's order, the sequences with the most key blocks first; within a
+// sequence its first block first, where the table lists the last first), every query tile of
+// its sequence that sees the block, and the sequence's own visibility (its lengths, its causal
+// alignment). Rows of a tile past its sequence's end (the next sequence's, or padding) are
+// zeroed in shared memory before the products read them (0 * NaN is NaN in the tensor cores);
+// dK and dV are written for the block's own keys alone (a run without queries: zeros); dQ's
+// tiles are the sequence's own, from `p.tile_base[seq]`.
+template <class Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     HopperBwdKernel(const __grid_constant__ KernelParams<Traits> params) {
   using T = typename Traits::Element;
@@ -182,7 +191,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int lane = threadIdx.x % 32;
-  const BwdTile tile = BwdTileOf(p, N, blockIdx.x);
+  // this CTA's key block and what its rows see: the call's bounds (dense) or its sequence's
+  // (packed: q_base / k_base its first query / key token, dq_base its first dQ tile)
+  BwdTile tile;
+  int q_base = 0, k_base = 0, dq_base = 0;
+  int q_len = p.q_len, kv_len = p.kv_len, offset = p.offset;
+  if constexpr (kPacked) {
+    const int entry = blockIdx.x / p.kv_heads;
+    const int* block = p.blocks + entry;
+    const int stride = p.block_count;
+    const int last_first = block[0];
+    if (last_first < 0) return;  // past the table's last block (no barrier is met yet)
+    k_base = block[stride];
+    kv_len = block[2 * stride];
+    q_base = block[3 * stride];
+    q_len = block[4 * stride];  // 0 for a run without queries
+    const int seq = block[5 * stride];
+    tile = BwdTile{(kv_len + N - 1) / N - 1 - last_first, blockIdx.x % p.kv_heads, 0};
+    offset = p.offset + (p.bottom_right ? kv_len - q_len : 0);
+    dq_base = seq >= 0 ? p.tile_base[seq] : 0;
+  } else {
+    tile = BwdTileOf(p, N, blockIdx.x);
+  }
   const int n0 = tile.n_block * N;
   const int kv_head = tile.kv_head, b = tile.b;
   const int group = p.q_heads / p.kv_heads;
@@ -190,10 +220,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // the query tiles whose rows see some key of [n0, n0 + N)
   int m_lo = 0;
-  int m_hi = min((p.q_len + M - 1) / M, p.q_seq / M);
-  if (p.has_upper) m_lo = max(m_lo, FloorDiv(n0 - p.offset - p.upper, M));
-  if (p.has_lower) m_hi = min(m_hi, FloorDiv(n0 + N - 1 - p.offset + p.lower, M) + 1);
-  if (n0 >= p.kv_len) m_hi = m_lo;
+  int m_hi = kPacked ? (q_len + M - 1) / M : min((p.q_len + M - 1) / M, p.q_seq / M);
+  if (p.has_upper) m_lo = max(m_lo, FloorDiv(n0 - offset - p.upper, M));
+  if (p.has_lower) m_hi = min(m_hi, FloorDiv(n0 + N - 1 - offset + p.lower, M) + 1);
+  if (n0 >= kv_len) m_hi = m_lo;
   const int n_m = max(m_hi - m_lo, 0);
   const int steps = group * n_m;
 
@@ -217,10 +247,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0 && cute::elect_one_sync() && steps > 0) {
       Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
       Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.kv_seq, D, p.kv_heads, p.batch));
-      Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<N>, Int<D>>{},
-                             make_coord(tile.n_block, 0));
-      Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<N>, Int<D>>{},
-                             make_coord(tile.n_block, 0));
+      Tensor gK = local_tile(domain_offset(make_coord(k_base, 0), mK(_, _, kv_head, b)),
+                             Shape<Int<N>, Int<D>>{}, make_coord(tile.n_block, 0));
+      Tensor gV = local_tile(domain_offset(make_coord(k_base, 0), mV(_, _, kv_head, b)),
+                             Shape<Int<N>, Int<D>>{}, make_coord(tile.n_block, 0));
       auto tma_k = params.tma_k.get_slice(Int<0>{});
       auto tma_v = params.tma_v.get_slice(Int<0>{});
       FullBarrier::arrive_and_expect_tx(&shared.kv_full, Traits::kKvBytes);
@@ -229,7 +259,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.q_seq, D, p.q_heads, p.batch));
       Tensor mdO = params.tma_dout.get_tma_tensor(make_shape(p.q_seq, D, p.q_heads, p.batch));
-      Tensor mS = params.tma_stats.get_tma_tensor(make_shape(p.q_seq, 2, p.q_heads, p.batch));
+      Tensor mS =
+          params.tma_stats.get_tma_tensor(make_shape(p.stats_seq, 2, p.q_heads, p.batch));
       auto tma_q = params.tma_q.get_slice(Int<0>{});
       auto tma_do = params.tma_dout.get_slice(Int<0>{});
       auto tma_s = params.tma_stats.get_slice(Int<0>{});
@@ -240,17 +271,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Tensor sS = make_tensor(make_smem_ptr(&shared.stats[s][0][0]),
                                 typename Traits::SmemLayoutStats{});
         FullBarrier::arrive_and_expect_tx(&shared.full[s], Traits::kStepBytes);
+        const auto q_rows = make_coord(q_base, 0);
         copy(params.tma_q.with(shared.full[s]),
-             tma_q.partition_S(local_tile(mQ(_, _, h, b), Shape<Int<M>, Int<D>>{},
-                                          make_coord(m_block, 0))),
+             tma_q.partition_S(local_tile(domain_offset(q_rows, mQ(_, _, h, b)),
+                                          Shape<Int<M>, Int<D>>{}, make_coord(m_block, 0))),
              tma_q.partition_D(sQ(_, _, s)));
         copy(params.tma_dout.with(shared.full[s]),
-             tma_do.partition_S(local_tile(mdO(_, _, h, b), Shape<Int<M>, Int<D>>{},
-                                           make_coord(m_block, 0))),
+             tma_do.partition_S(local_tile(domain_offset(q_rows, mdO(_, _, h, b)),
+                                           Shape<Int<M>, Int<D>>{}, make_coord(m_block, 0))),
              tma_do.partition_D(sdO(_, _, s)));
         copy(params.tma_stats.with(shared.full[s]),
-             tma_s.partition_S(local_tile(mS(_, _, h, b), Shape<Int<M>, _2>{},
-                                          make_coord(m_block, 0))),
+             tma_s.partition_S(local_tile(domain_offset(q_rows, mS(_, _, h, b)),
+                                          Shape<Int<M>, _2>{}, make_coord(m_block, 0))),
              tma_s.partition_D(sS));
         if (++m_block == m_hi) m_block = m_lo, ++h;  // (no division by n_m a step)
       }
@@ -299,22 +331,43 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int wg_thread = tid % 128;
     float* dq_smem = shared.dq[wg] + (wg_thread / 32) * (Traits::kDqWarpgroupFloats / 4);
 
+    // packed: zeroes rows [from, rows) of a shared tile (16-byte chunks, whole under the
+    // swizzle) with every consumer thread, then publishes the zeros to the tensor cores
+    auto zero_rows = [&](auto&& tile_a, auto&& tile_b, int from, int rows) {
+      constexpr int kChunks = D / 8;
+      for (int chunk = tid + max(from, 0) * kChunks; chunk < rows * kChunks;
+           chunk += Traits::kConsumerThreads) {
+        StoreShared128Zero(&tile_a(chunk / kChunks, (chunk % kChunks) * 8));
+        StoreShared128Zero(&tile_b(chunk / kChunks, (chunk % kChunks) * 8));
+      }
+      FenceAsyncShared();  // the generic stores, before wgmma reads
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    };
+
     FullBarrier::wait(&shared.kv_full, 0);
+    if constexpr (kPacked) {
+      // keys past the sequence's end (the next sequence's, or padding): their P and dS are 0,
+      // but K meets every row in dQ = dS K and V every row in dP = dO V^T
+      if (kv_len - n0 < N) zero_rows(sK, sV, kv_len - n0, N);
+    }
     int h = kv_head * group, m_block = m_lo;
     for (int step = 0; step < steps; ++step) {
       const int s = step % kStages;
       const int ds_stage = step & 1;
       const int m0 = m_block * M;
       FullBarrier::wait(&shared.full[s], (step / kStages) & 1);
+      if constexpr (kPacked) {  // rows past the sequence's end meet every key in dK and dV
+        if (q_len - m0 < M) zero_rows(sQ(_, _, s), sdO(_, _, s), q_len - m0, M);
+      }
 
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
       gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
       gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
 
-      const bool full = n0 + N <= p.kv_len && m0 + M <= p.q_len &&
-                        (!p.has_upper || n0 + N - 1 <= m0 + p.offset + p.upper) &&
-                        (!p.has_lower || n0 >= m0 + M - 1 + p.offset - p.lower);
+      const bool full = n0 + N <= kv_len && m0 + M <= q_len &&
+                        (!p.has_upper || n0 + N - 1 <= m0 + offset + p.upper) &&
+                        (!p.has_lower || n0 >= m0 + M - 1 + offset - p.lower);
       // this thread's rows' statistics into registers while the products run (a shared-memory
       // load right before each use stalled the exponentials)
       float lse2[size(tSrS)];
@@ -333,7 +386,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
-          const bool visible = Visible(p, m0 + get<1>(tScS(i)), n0 + get<0>(tScS(i)));
+          const int q = m0 + get<1>(tScS(i)), kv = n0 + get<0>(tScS(i));
+          // (Visible's test with this CTA's bounds: predicates and selects only)
+          const bool visible = static_cast<bool>(
+              int(kv < kv_len) & int(q < q_len) &
+              (int(!p.has_upper) | int(kv <= q + offset + p.upper)) &
+              (int(!p.has_lower) | int(kv >= q + offset - p.lower)));
           tSrS(i) = visible ? Exp2(tSrS(i) * p.scale_log2 - lse2[i]) : 0.0f;
         }
         warpgroup_wait<0>();  // dP^T
@@ -376,7 +434,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       FenceAsyncShared();
       __syncwarp();
       if (lane == 0) {
-        const int64_t q_tile = (int64_t(b) * p.q_heads + h) * (p.q_seq / M) + m0 / M;
+        const int64_t q_tile = (int64_t(b) * p.q_heads + h) * p.dq_tiles + dq_base + m0 / M;
         BulkReduceAdd(p.dq_accum + (q_tile * 2 + wg) * Traits::kDqWarpgroupFloats +
                           (wg_thread / 32) * kWarpFloats,
                       dq_smem, kWarpFloats * 4);
@@ -414,18 +472,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   constexpr int kChunks = D / 8;  // 16-byte chunks a row
-  T* dk = static_cast<T*>(p.dk) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
-  T* dv = static_cast<T*>(p.dv) + (int64_t(b) * p.kv_seq + n0) * kv_row + int64_t(kv_head) * D;
+  const int64_t first_key = (int64_t(b) * p.kv_seq + k_base + n0) * kv_row + int64_t(kv_head) * D;
+  T* dk = static_cast<T*>(p.dk) + first_key;
+  T* dv = static_cast<T*>(p.dv) + first_key;
+  const int keys_out = kPacked ? min(kv_len - n0, N) : N;  // packed: the block's own keys
   static_assert(N * kChunks % Traits::kConsumerThreads == 0);
   CUTE_UNROLL
   for (int i = 0; i < N * kChunks / Traits::kConsumerThreads; ++i) {
     const int c = tid + i * Traits::kConsumerThreads;
     const int row = c / kChunks, col = (c % kChunks) * 8;
     // a 16-byte chunk of a row stays whole under the 128-byte swizzle
-    const uint4 k_chunk = LoadShared128(&sdK(row, col));
-    const uint4 v_chunk = LoadShared128(&sdV(row, col));
-    StoreGlobal128(dk + row * kv_row + col, k_chunk);
-    StoreGlobal128(dv + row * kv_row + col, v_chunk);
+    if (!kPacked || row < keys_out) {
+      const uint4 k_chunk = LoadShared128(&sdK(row, col));
+      const uint4 v_chunk = LoadShared128(&sdV(row, col));
+      StoreGlobal128(dk + row * kv_row + col, k_chunk);
+      StoreGlobal128(dv + row * kv_row + col, v_chunk);
+    }
   }
 }
 
@@ -449,8 +511,9 @@ KernelParams<Traits> MakeKernelParams(const BwdParams& p) {
                           typename Traits::SmemLayoutKV{});
   Tensor stats = make_tensor(
       make_gmem_ptr(p.stats),
-      make_shape(int32_t(p.q_seq), int32_t(2), int32_t(p.q_heads), int32_t(p.batch)),
-      make_stride(_1{}, int64_t(p.q_seq), int64_t(2) * p.q_seq, int64_t(2) * p.q_heads * p.q_seq));
+      make_shape(int32_t(p.stats_seq), int32_t(2), int32_t(p.q_heads), int32_t(p.batch)),
+      make_stride(_1{}, int64_t(p.stats_seq), int64_t(2) * p.stats_seq,
+                  int64_t(2) * p.q_heads * p.stats_seq));
   w.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, stats, typename Traits::SmemLayoutStats{});
   return w;
 }

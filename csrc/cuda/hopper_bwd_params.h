@@ -35,6 +35,19 @@ struct BwdParams : HopperGeometry {
   void* dv;
   // (batch, kv head) pairs a section of the CTAs' order (hopper_bwd_kernel.cuh, BwdTileOf)
   int section;
+  // the rows of stats' layout (q_seq; packed: the tokens rounded up to 64, as TMA wants its
+  // strides in 16 bytes) and the query tiles of 64 rows in dq_accum's (q_seq / 64; packed:
+  // each sequence's tiles one after another, `tile_base`)
+  int stats_seq, dq_tiles;
+
+  // Packed sequences (hopper_bwd_packed.cu; batch 1, the seq dims the tokens): the block table
+  // of the key side (hopper_fwd_packed_table.cuh, built from the key offsets: each run's
+  // 128-key blocks with its query span), a sequence's first dq tile, and whether each
+  // sequence's causal diagonal is bottom-right aligned
+  const int* blocks;
+  int block_count;
+  const int* tile_base;
+  bool bottom_right;
 };
 
 }  // namespace attnaux_hopper

@@ -72,7 +72,8 @@ __device__ inline int BucketOf(const PackedTableParams& t, int r, int n_blocks) 
   return r < t.num_seqs ? min(n_blocks, kTableBuckets - 1) : 0;
 }
 
-__global__ void __launch_bounds__(kTableThreads) PackedTableKernel(PackedTableParams t) {
+// (static: the packed forward and backward each launch their own copy, in their own TUs)
+static __global__ void __launch_bounds__(kTableThreads) PackedTableKernel(PackedTableParams t) {
   using Scan = cub::BlockScan<int, kTableThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int cursor[kTableBuckets];  // blocks in the bucket, then its next free entry

@@ -17,8 +17,10 @@ extern "C" XLA_FFI_Error* AttnauxProbsSoftmaxBwdCuda(XLA_FFI_CallFrame* call_fra
 extern "C" XLA_FFI_Error* AttnauxZeroRowsCuda(XLA_FFI_CallFrame* call_frame);
 // cuda/fold_lse.cu: the lse cotangent folded into O for cuDNN's backward (one pass).
 extern "C" XLA_FFI_Error* AttnauxFoldLseCuda(XLA_FFI_CallFrame* call_frame);
-// cuda/hopper_fwd.cu, cuda/hopper_bwd.cu: attnaux's own Hopper attention forward and backward
+// cuda/hopper_fwd.cu, cuda/hopper_bwd.cu (and their packed forms, cuda/hopper_*_packed.cu):
+// attnaux's own Hopper attention forward and backward
 // (CuTe; built with the CUTLASS headers only, ATTNAUX_HOPPER_CUDA).
 extern "C" XLA_FFI_Error* AttnauxHopperFwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxHopperFwdPackedCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AttnauxHopperBwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AttnauxHopperBwdPackedCuda(XLA_FFI_CallFrame* call_frame);

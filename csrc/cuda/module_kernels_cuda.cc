@@ -32,6 +32,8 @@ PYBIND11_MODULE(_kernels_cuda, m) {
         handlers["attnaux_hopper_fwd_packed"] =
             attnaux::HandlerCapsule(AttnauxHopperFwdPackedCuda);
         handlers["attnaux_hopper_bwd"] = attnaux::HandlerCapsule(AttnauxHopperBwdCuda);
+        handlers["attnaux_hopper_bwd_packed"] =
+            attnaux::HandlerCapsule(AttnauxHopperBwdPackedCuda);
 #endif
         return handlers;
       },

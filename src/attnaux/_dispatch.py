@@ -62,6 +62,10 @@ REFERENCE = Implementation(_reference, "pure JAX (XLA)", "attnaux")
 HOPPER_PACKED = Implementation(
     _hopper_packed, "attnaux's Hopper kernels (Pallas Mosaic GPU), packed sequences", "attnaux"
 )
+CUDA_PACKED = Implementation(  # `varlen_attention`'s mode `cuda-cuda` (`_varlen`)
+    _hopper_packed, "attnaux's CUDA C++ Hopper kernels, packed sequences (XLA FFI, gpu)",
+    "attnaux"
+)
 GPU_PACKED_ON_HOPPER = True
 """Whether GPU `flash` serves segment ids on attnaux's Hopper kernels (`_hopper_packed`: per-tile
 visiting ranges from the segments, no mask materialised) where they can, instead of cuDNN with
@@ -105,6 +109,15 @@ Hopper kernels' in time: spread 42.7 (16384 tokens, 64 documents of equal or var
 3.9 (16384 / 4) 0.81x, and with `max_seqlen` the longest document (spread at most 1.6)
 0.75-0.81x."""
 
+GPU_VARLEN_CUDA_BACKWARD = True
+GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ = 1024
+"""Where `varlen_attention` on GPU `flash` runs on attnaux's CUDA C++ kernels both ways (mode
+`cuda-cuda`: the CUDA forward above, then the CUDA backward over the packed tokens,
+`_hopper_packed.cuda_backward`: the key side's block table built on the device, a CTA per 128
+keys of a sequence and kv head over its sequence's query tiles; its work follows the tokens,
+not `max_seqlen_*`): with the switch on, where the CUDA forward serves, at head dim 128, off
+XLA's deterministic mode, and `max_seqlen_q` at least `GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ`.
+Measured on an H100 (see docs/performance.md, 2026-11-28 eleventh session)."""
 
 CPU_VARLEN_ROW_MIN_SAVING = 2.0
 """How many times the rows of one packed row `varlen_attention`'s padded layout (`num_seqs x

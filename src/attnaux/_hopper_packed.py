@@ -579,3 +579,134 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
     return KernelOp(CUDA_FORWARD_TARGET, tuple((name, SHARED) for name in names), results,
                     lambda ops: shapes(ops)[:len(results)], {}, kernel=kernel, sequential=True,
                     layout=lambda name, shape: _CUDA_LAYOUTS[name])
+
+
+# ---- the CUDA C++ backward over packed sequences (csrc/cuda/hopper_bwd_packed.cu)
+CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd_packed"
+_CUDA_BACKWARD_LAYOUTS = {
+    **_CUDA_LAYOUTS, "dout": ("one", "q_tokens", HEADS, "v_dim"),
+    "dlse": ("one", HEADS, "q_tokens"), "tile_base": ("bounds",),
+    "dq_sum": (HEADS, "dq_tiles", "halves", "half_tile"),
+    "dk": ("one", "kv_tokens", KV_HEADS, "qk_dim"), "dv": ("one", "kv_tokens", KV_HEADS, "v_dim"),
+}
+
+
+def cuda_backward_unavailable(q, k, v, options: Options) -> str | None:
+    """Why `varlen_attention`'s backward cannot run on attnaux's CUDA C++ kernel over the
+    packed tokens (`cuda_backward`; None: it can): the CUDA forward's conditions
+    (`cuda_forward_unavailable`), head dim 128, and XLA not asked for deterministic results
+    (its dQ sums come in a varying order). `q`, `k`, `v`: `[tokens, heads, dim]`."""
+    from ._ffi import has_target
+
+    forward_no = cuda_forward_unavailable(q, k, v, options)
+    if forward_no is not None:
+        return forward_no
+    if not has_target(CUDA_BACKWARD_TARGET, "gpu"):
+        return "this build of attnaux has no CUDA C++ packed backward"
+    if q.shape[-1] != 128:
+        return f"it takes head dim 128 (got {q.shape[-1]})"
+    if hopper.deterministic_requested():
+        return ("XLA was asked for deterministic results (--xla_gpu_deterministic_ops), and its "
+                "dQ sums come in a varying order")
+    return None
+
+
+def cuda_varlen_both(cfg, q, k, v, q_side, kv_side):
+    """`(out [Tq, Hq, D], lse [Hq, Tq], max [Hq, Tq])` of `varlen_attention`'s packed tokens on
+    attnaux's CUDA C++ kernels both ways: the forward (`cuda_forward`) and its own backward
+    over the packed tokens (`cuda_backward`), neither padding nor gathering a token.
+    `q_side`, `kv_side`: `_varlen`'s packings (offsets, lengths, each token's sequence and
+    position, covered); `cfg` and availability as for `cuda_forward` and
+    `cuda_backward_unavailable`. The rows no sequence covers get out 0, lse = max = -inf and
+    zero gradients."""
+    out, lse, row_max = _cuda_both(cfg, q[None], k[None], v[None], q_side, kv_side)
+    return out[0], lse[0], row_max[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cuda_both(cfg, q, k, v, q_side, kv_side):
+    out, lse, row_max, _ = cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
+    return out, lse, row_max
+
+
+def _cuda_both_fwd(cfg, q, k, v, q_side, kv_side):
+    out, lse, row_max, _ = cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
+    return (out, lse, row_max), (q, k, v, q_side, kv_side, out, lse)
+
+
+def _cuda_both_bwd(cfg, saved, cotangents):
+    q, k, v, q_side, kv_side, out, lse = saved
+    dout, dlse, _ = cotangents  # the row max has no gradient
+    dq, dk, dv = cuda_backward(cfg, q, k, v, out, lse, dout.astype(q.dtype),
+                               dlse.astype(jnp.float32), q_side, kv_side)
+    return dq, dk, dv, None, None
+
+
+_cuda_both.defvjp(_cuda_both_fwd, _cuda_both_bwd)
+
+
+def cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side):
+    """`(dq, dk, dv)` of packed sequences (q, k, v, out, dout `[1, tokens, heads, dim]`; lse,
+    dlse `[1, Hq, Tq]`) on attnaux's CUDA C++ backward: each sequence's query tiles of 64 rows
+    get dQ tiles of their own (from `tile_base`, the tiles of the sequences before), which are
+    gathered back to the tokens here (0 for the tokens no sequence covers)."""
+    lengths = q_side.lengths
+    tiles = (lengths + hopper.BLOCK_Q - 1) // hopper.BLOCK_Q
+    tile_base = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum(tiles, dtype=jnp.int32)])
+    op = _cuda_backward_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
+                           int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv))
+    r = op(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse,
+           q_offsets=q_side.offsets, kv_offsets=kv_side.offsets, tile_base=tile_base)
+    # dQ's tiles in token order: sequence i's token at position pos is row tile_base[i] 64 + pos
+    rows = hopper._cuda_dq(r["dq_sum"][None], float(cfg.scale), q.dtype)[0]
+    source = tile_base[q_side.seq] * hopper.BLOCK_Q + q_side.pos
+    dq = jnp.where(q_side.covered[:, None, None], rows[source], 0)
+    return dq[None], r["dk"], r["dv"]
+
+
+@functools.cache
+def _cuda_backward_op(scale: float, causal: int, window_left: int, window_right: int,
+                      max_q: int, max_kv: int):
+    window = None
+    if window_left >= 0 or window_right >= 0:
+        unbounded = max_q + max_kv
+        window = (window_left if window_left >= 0 else unbounded,
+                  window_right if window_right >= 0 else unbounded)
+    geometry = hopper.Geometry(causal != 0, window, 0, max_kv, max_q)
+    attrs = hopper._geometry_attrs(geometry)
+    attrs = {name: attrs[name] for name in ("has_upper", "upper", "has_lower", "lower")}
+    attrs.update(scale=np.float32(scale), bottom_right=np.int32(causal == 2),
+                 max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
+
+    def dq_tiles(q, q_offsets):
+        # a bound on the sequences' 64-row tiles: each at most one more than its whole tiles
+        return q.shape[1] // hopper.BLOCK_Q + q_offsets.shape[0]
+
+    def shapes(ops):
+        q, k = ops["q"], ops["k"]
+        tiles = dq_tiles(q, ops["q_offsets"])
+        return (jax.ShapeDtypeStruct((q.shape[2], tiles, 2, hopper.BLOCK_Q * q.shape[3] // 2),
+                                     jnp.float32),
+                jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype))
+
+    def kernel(q, k, v, out, dout, lse, dlse, q_offsets, kv_offsets, tile_base):
+        # (the key side's block table is built on the device from the offsets, by the
+        # handler's first kernel)
+        n = q_offsets.shape[0] - 1
+        blocks = cuda_block_count(k.shape[1], n)
+        stats = jax.ShapeDtypeStruct((1, q.shape[2], 2, -(-q.shape[1] // 64) * 64), jnp.float32)
+        work = jax.ShapeDtypeStruct((6 * blocks + 2 * n + 2,), jnp.int32)
+        dq_sum, dk, dv, _, _ = jax.ffi.ffi_call(
+            CUDA_BACKWARD_TARGET,
+            (*shapes(dict(q=q, k=k, q_offsets=q_offsets)), stats, work))(
+            q, k, v, out, dout, lse, dlse, q_offsets.astype(jnp.int32),
+            kv_offsets.astype(jnp.int32), tile_base.astype(jnp.int32),
+            block_count=np.int64(blocks), **attrs)
+        return dq_sum, dk, dv
+
+    names = ("q", "k", "v", "out", "dout", "lse", "dlse", "q_offsets", "kv_offsets",
+             "tile_base")
+    return KernelOp(CUDA_BACKWARD_TARGET, tuple((name, SHARED) for name in names),
+                    ("dq_sum", "dk", "dv"), shapes, {}, kernel=kernel, sequential=True,
+                    layout=lambda name, shape: _CUDA_BACKWARD_LAYOUTS[name])

@@ -233,7 +233,8 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     dispatch's choice for it, how the packed tokens are served (`"hopper"`: in place on
     attnaux's Hopper kernels; `"ragged"`: cuDNN's packed layout; `"cuda"`: attnaux's CUDA
     forward over the packed tokens and cuDNN's packed backward; `"cuda-hopper"`: that forward
-    and the Hopper kernels' packed backward; `"padded"`; `"row"`: one packed row on the CPU
+    and the Hopper kernels' packed backward; `"cuda-cuda"`: that forward and attnaux's CUDA
+    backward over the packed tokens; `"padded"`; `"row"`: one packed row on the CPU
     kernels, the problem then that row's), and the explanation with that way (`packed`)."""
     pq = _packing(cu_q, q.shape[0], max_seqlen_q)
     pk = _packing(cu_kv, k.shape[0], max_seqlen_kv)
@@ -262,6 +263,15 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                   f"tokens fill (num_seqs x the tiles of max_seqlen_*; above "
                   f"GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD="
                   f"{_dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD:g})")
+    both_no = "GPU_VARLEN_CUDA_BACKWARD is off"  # attnaux's CUDA kernels both ways
+    if not gpu_flash:
+        both_no = "only GPU `flash` runs attnaux's CUDA kernels"
+    elif _dispatch.GPU_VARLEN_CUDA_BACKWARD:
+        if max_seqlen_q < _dispatch.GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ:
+            both_no = (f"max_seqlen_q={max_seqlen_q} is below GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ="
+                       f"{_dispatch.GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ}")
+        else:
+            both_no = _hopper_packed.cuda_backward_unavailable(q, k, v, problem.options)
     cuda_no = "cuDNN's ragged layout does not serve this call"
     if ragged_no is None:
         if not _dispatch.GPU_VARLEN_CUDA_FORWARD:
@@ -272,7 +282,13 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                        f"{least}, where cuDNN's forward measured as fast")
         else:
             cuda_no = _hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
-    if (hopper_no is None and cuda_no is None and spread_high
+    if both_no is None and not _dispatch.GPU_VARLEN_PREFERS_HOPPER:
+        mode = "cuda-cuda"
+        how = ("in place on attnaux's CUDA C++ Hopper kernels both ways (one packed row; the "
+               "forward visits only the tiles of each sequence, the backward the key blocks of "
+               "each sequence against its own query tiles); nothing is padded")
+        choice = choice._replace(implementation=_dispatch.CUDA_PACKED)
+    elif (hopper_no is None and cuda_no is None and spread_high
             and not _dispatch.GPU_VARLEN_PREFERS_HOPPER):
         mode = "cuda-hopper"
         how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
@@ -356,7 +372,11 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
         if return_probs:
             probs = jnp.zeros((n, q.shape[1], max_seqlen_q, max_seqlen_kv), q.dtype)
     else:
-        if mode == "cuda-hopper":
+        if mode == "cuda-cuda":
+            out, lse_pad, max_pad = _hopper_packed.cuda_varlen_both(
+                _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), q, k, v, pq,
+                pk)
+        elif mode == "cuda-hopper":
             q_info, kv_info = _hopper_packed.varlen_infos(
                 pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
                 pk.lengths, pk.offsets, options)
@@ -388,14 +408,15 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
             else:
                 out = jnp.where(pq.covered[:, None, None], out_pad[pq.seq, pq.pos], 0)
         hidden = ~pq.covered[None, :]
-        if mode in ("cuda", "cuda-hopper"):  # per token, uncovered tokens at -inf already
+        if mode in ("cuda", "cuda-hopper", "cuda-cuda"):  # per token, uncovered at -inf already
             lse, row_max = lse_pad, max_pad
         else:
             if mode not in ("hopper", "row"):
                 lse_t, max_t = lse_pad[pq.seq, :, pq.pos].T, max_pad[pq.seq, :, pq.pos].T
             lse = jnp.where(hidden, -jnp.inf, lse_t)
             row_max = jnp.where(hidden, -jnp.inf, max_t)
-        if mode in ("ragged", "cuda", "cuda-hopper") and sink is not None:  # (the others did)
+        if mode in ("ragged", "cuda", "cuda-hopper", "cuda-cuda") and sink is not None:
+            # (the other modes applied it)
             out, lse_sink = add_sink(out[None], lse[None], sink)
             out, lse = out[0], jnp.where(hidden, -jnp.inf, lse_sink[0])
     aux = AttnAux(
