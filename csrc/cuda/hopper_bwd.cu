@@ -35,8 +35,8 @@ constexpr const char* kTarget = "attnaux_hopper_bwd";
 template <class Traits>
 cudaError_t Launch(const BwdParams& p, cudaStream_t stream) {
   // the rows' statistics and the zeroed dQ sums, then the main kernel
-  HopperBwdPreprocess<typename Traits::Element, Traits::kHeadDim>
-      <<<PreprocessGrid(p), kPreprocessThreads, 0, stream>>>(p);
+  HopperBwdPreprocess<typename Traits::Element, Traits::kHeadDim, false>
+      <<<dim3(p.dq_tiles, p.q_heads, p.batch), kPreprocessThreads, 0, stream>>>(p);
   auto kernel = HopperBwdKernel<Traits, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
@@ -147,8 +147,8 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.dv = dv->untyped_data();
   SetGeometry(p, bsz, q_seq, kv_seq, q_heads, kv_heads, scale, q_len, kv_len, offset, has_upper,
               upper, has_lower, lower);
-  p.stats_seq = int(q_seq);
   p.dq_tiles = int(q_seq / 64);
+  p.stats_seq = int(q_seq);
 
   if (bsz == 0 || q_seq == 0 || q_heads == 0) return ffi::Error::Success();
   if (kv_seq == 0) {  // no key: dQ is 0 (dk and dv are empty)

@@ -280,8 +280,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
              tma_do.partition_S(local_tile(domain_offset(q_rows, mdO(_, _, h, b)),
                                            Shape<Int<M>, Int<D>>{}, make_coord(m_block, 0))),
              tma_do.partition_D(sdO(_, _, s)));
+        // (the statistics by dQ tile: an aligned start, as TMA needs on a tensor's innermost
+        // dim, where the rows are)
         copy(params.tma_stats.with(shared.full[s]),
-             tma_s.partition_S(local_tile(domain_offset(q_rows, mS(_, _, h, b)),
+             tma_s.partition_S(local_tile(domain_offset(make_coord(dq_base * M, 0),
+                                                        mS(_, _, h, b)),
                                           Shape<Int<M>, _2>{}, make_coord(m_block, 0))),
              tma_s.partition_D(sS));
         if (++m_block == m_hi) m_block = m_lo, ++h;  // (no division by n_m a step)

@@ -5,10 +5,11 @@
 // forward's out and lse per token and their cotangents. Three kernels: the key side's block
 // table from the offsets (hopper_fwd_packed_table.cuh, the forward's table built from the key
 // offsets: each run of keys in 128-key blocks, with its sequence's query span), the first pass
-// (hopper_bwd_preprocess.cuh: the rows' statistics, dQ's sums zeroed), then the main kernel, a
-// CTA per key block of a run and kv head. Every row of dk and dv is written (the keys that no
-// sequence covers: 0); dq_accum holds each sequence's query tiles of 64 rows from its
-// `tile_base` on, which the caller gathers back to the tokens.
+// (hopper_bwd_preprocess.cuh: the rows' statistics, dQ's sums zeroed, dq's rows that no sequence
+// covers zeroed), the main kernel (a CTA per key block of a run and kv head, adding into each
+// sequence's dQ tiles of 64 rows from its `tile_base` on), and the last pass
+// (hopper_bwd_postprocess.cuh: those tiles out to dq's token rows). Every row of dq, dk and dv is
+// written (the tokens that no sequence covers: 0).
 //
 // A file of its own so that the dense and packed kernels compile side by side. Built only for
 // sm_90a with the CUTLASS/CuTe headers (CMakeLists.txt).
@@ -20,6 +21,7 @@
 #include "common/ffi_shapes.h"
 #include "cuda/ffi_utils.cuh"
 #include "cuda/hopper_bwd_kernel.cuh"
+#include "cuda/hopper_bwd_postprocess.cuh"
 #include "cuda/hopper_bwd_preprocess.cuh"
 #include "cuda/hopper_fwd_packed_table.cuh"
 #include "cuda/kernels_cuda.h"
@@ -42,8 +44,10 @@ template <class Traits>
 cudaError_t LaunchPacked(const BwdParams& p, const PackedTableParams& table,
                          cudaStream_t stream) {
   PackedTableKernel<<<1, kTableThreads, 0, stream>>>(table);
-  HopperBwdPreprocess<typename Traits::Element, Traits::kHeadDim>
-      <<<PreprocessGrid(p), kPreprocessThreads, 0, stream>>>(p);
+  // (its CTAs past dq's tiles zero dq's rows that no sequence covers, 64 tokens each)
+  const int token_tiles = (p.q_seq + kPreprocessRows - 1) / kPreprocessRows;
+  HopperBwdPreprocess<typename Traits::Element, Traits::kHeadDim, true>
+      <<<dim3(p.dq_tiles + token_tiles, p.q_heads, 1), kPreprocessThreads, 0, stream>>>(p);
   auto kernel = HopperBwdKernel<Traits, true>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
@@ -52,6 +56,8 @@ cudaError_t LaunchPacked(const BwdParams& p, const PackedTableParams& table,
   // a CTA per table entry and kv head, the entries in the table's order (longest first)
   kernel<<<dim3(unsigned(p.block_count * p.kv_heads)), Traits::kThreads, Traits::kSmemBytes,
            stream>>>(params);
+  HopperBwdPostprocess<typename Traits::Element, Traits::kHeadDim>
+      <<<dim3(p.dq_tiles, p.q_heads), kPostprocessThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -62,9 +68,9 @@ ffi::Error HopperBwdPackedImpl(
     ffi::Buffer<ffi::S32> kv_offsets, ffi::Buffer<ffi::S32> tile_base, int64_t block_count,
     int64_t max_seqlen_q, int64_t max_seqlen_kv, float scale, int32_t bottom_right,
     int32_t has_upper, int64_t upper, int32_t has_lower, int64_t lower,
-    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
-    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-    ffi::Result<ffi::Buffer<ffi::S32>> work) {
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+    ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::S32>> work) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[0] != 1 || kd[0] != 1) {
     return AttnInvalid(kTarget, "q and k must be [1, tokens, heads, dim] (one packed row), got "
@@ -73,10 +79,10 @@ ffi::Error HopperBwdPackedImpl(
   const int64_t total_q = qd[1], q_heads = qd[2], dim = qd[3];
   const int64_t total_kv = kd[1], kv_heads = kd[2];
   if (kd[3] != dim || !SameDims(v.dimensions(), kd) || !SameDims(out.dimensions(), qd) ||
-      !SameDims(dout.dimensions(), qd) || !SameDims(dk->dimensions(), kd) ||
-      !SameDims(dv->dimensions(), kd)) {
+      !SameDims(dout.dimensions(), qd) || !SameDims(dq->dimensions(), qd) ||
+      !SameDims(dk->dimensions(), kd) || !SameDims(dv->dimensions(), kd)) {
     return AttnInvalid(kTarget, "expected k, v, dk and dv of one shape [1, kv_tokens, "
-                                "kv_heads, dim] and out, dout of q's shape; got q " +
+                                "kv_heads, dim] and out, dout, dq of q's shape; got q " +
                                     BracketShape(qd) + ", k " + BracketShape(kd) + ", v " +
                                     BracketShape(v.dimensions()) + ", out " +
                                     BracketShape(out.dimensions()) + ", dout " +
@@ -85,10 +91,10 @@ ffi::Error HopperBwdPackedImpl(
   const auto dtype = q.element_type();
   if ((dtype != ffi::BF16 && dtype != ffi::F16) || k.element_type() != dtype ||
       v.element_type() != dtype || out.element_type() != dtype ||
-      dout.element_type() != dtype || dk->element_type() != dtype ||
-      dv->element_type() != dtype) {
-    return AttnInvalid(kTarget, "q, k, v, out, dout, dk and dv must share one dtype, bfloat16 "
-                                "or float16.");
+      dout.element_type() != dtype || dq->element_type() != dtype ||
+      dk->element_type() != dtype || dv->element_type() != dtype) {
+    return AttnInvalid(kTarget, "q, k, v, out, dout, dq, dk and dv must share one dtype, "
+                                "bfloat16 or float16.");
   }
   if (dim != 128) {
     return AttnInvalid(kTarget, "head dim must be 128, got " + std::to_string(dim) + ".");
@@ -124,11 +130,11 @@ ffi::Error HopperBwdPackedImpl(
                                     std::to_string(total_q / 64 + num_seqs) + ", got " +
                                     BracketShape(dqd) + ".");
   }
-  const int64_t stats_seq = (total_q + 63) / 64 * 64;
+  const int64_t stats_seq = 64 * dq_tiles;  // the statistics by dQ tile, as dq_accum
   if (!SameDims(stats->dimensions(), {1, q_heads, 2, stats_seq})) {
-    return AttnInvalid(kTarget, "stats (a work buffer) must be float32 [1, q_heads, 2, "
-                                "q_tokens rounded up to 64] = [1, " + std::to_string(q_heads) +
-                                    ", 2, " + std::to_string(stats_seq) + "], got " +
+    return AttnInvalid(kTarget, "stats (a work buffer) must be float32 [1, q_heads, 2, 64 "
+                                "dq_tiles] = [1, " + std::to_string(q_heads) + ", 2, " +
+                                    std::to_string(stats_seq) + "], got " +
                                     BracketShape(stats->dimensions()) + ".");
   }
   // work: the key side's block table [6, block_count], each run's first entry [2 num_seqs + 1],
@@ -143,12 +149,12 @@ ffi::Error HopperBwdPackedImpl(
                                     BracketShape(work->dimensions()) + ".");
   }
   if (q_heads > 65535 || total_q > (1 << 30) || total_kv > (1 << 30) ||
-      block_count * kv_heads > INT32_MAX || dq_tiles * q_heads > INT32_MAX ||
+      block_count * kv_heads > INT32_MAX || 64 * dq_tiles > INT32_MAX ||
       max_seqlen_q < 1 || max_seqlen_kv < 1 || max_seqlen_q > (1 << 30) ||
       max_seqlen_kv > (1 << 30)) {
     return AttnInvalid(kTarget, "q_heads must be at most 65535, the token counts and max_seqlen "
-                                "in [1, 2^30], and block_count x kv_heads and dq_tiles x q_heads "
-                                "below 2^31.");
+                                "in [1, 2^30], and block_count x kv_heads and 64 dq_tiles below "
+                                "2^31.");
   }
   if (ffi::Error hopper = RequireHopper(kTarget); hopper.failure()) return hopper;
 
@@ -162,24 +168,26 @@ ffi::Error HopperBwdPackedImpl(
   p.dlse = dlse.typed_data();
   p.stats = stats->typed_data();
   p.dq_accum = dq_accum->typed_data();
+  p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   // q_len, kv_len and the causal offset are each CTA's sequence's (the kernel reads them from
   // the table)
   SetGeometry(p, 1, total_q, total_kv, q_heads, kv_heads, scale, total_q, total_kv, 0,
               has_upper, upper, has_lower, lower);
-  p.stats_seq = int(stats_seq);
   p.dq_tiles = int(dq_tiles);
+  p.stats_seq = int(stats_seq);
+  p.q_offsets = q_offsets.typed_data();
+  p.num_seqs = int(num_seqs);
+  p.max_seqlen_q = int(max_seqlen_q);
   int* const work_data = work->typed_data();
   p.blocks = work_data;
   p.block_count = int(block_count);
   p.tile_base = tile_base.typed_data();
   p.bottom_right = bottom_right != 0;
-  if (q_heads == 0) return ffi::Error::Success();
+  if (q_heads == 0 || total_q == 0) return ffi::Error::Success();
   if (total_kv == 0) {  // no key: dQ is 0 (dk and dv are empty)
-    return CudaResult(kTarget, cudaMemsetAsync(p.dq_accum, 0,
-                                               sizeof(float) * dq_accum->element_count(),
-                                               stream));
+    return CudaResult(kTarget, cudaMemsetAsync(p.dq, 0, dq->size_bytes(), stream));
   }
 
   // the forward's table, built from the key side: a run's rows are keys, its "keys" the
@@ -228,9 +236,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperBwdPackedCuda, attnaux_hopper::Hopper
                                   .Attr<int64_t>("upper")
                                   .Attr<int32_t>("has_lower")
                                   .Attr<int64_t>("lower")
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum [Hq, tiles, 2, 32D]
+                                  .Ret<ffi::AnyBuffer>()           // dq [1, Tq, Hq, D]
                                   .Ret<ffi::AnyBuffer>()           // dk [1, Tkv, Hkv, D]
                                   .Ret<ffi::AnyBuffer>()           // dv
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // stats [1, Hq, 2, Tq64] (work)
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum [Hq,tiles,2,32D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // stats [1,Hq,2,64 tiles] (work)
                                   .Ret<ffi::Buffer<ffi::S32>>(),   // work (the key-side table)
                               {ffi::Traits::kCmdBufferCompatible});

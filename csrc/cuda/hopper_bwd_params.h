@@ -35,10 +35,11 @@ struct BwdParams : HopperGeometry {
   void* dv;
   // (batch, kv head) pairs a section of the CTAs' order (hopper_bwd_kernel.cuh, BwdTileOf)
   int section;
-  // the rows of stats' layout (q_seq; packed: the tokens rounded up to 64, as TMA wants its
-  // strides in 16 bytes) and the query tiles of 64 rows in dq_accum's (q_seq / 64; packed:
-  // each sequence's tiles one after another, `tile_base`)
-  int stats_seq, dq_tiles;
+  // the query tiles of 64 rows in dq_accum's and stats' layouts (q_seq / 64; packed: each
+  // sequence's tiles one after another from `tile_base[seq]`, so that TMA loads a tile's
+  // statistics from an aligned start: its innermost coordinate must be a multiple of 16 bytes)
+  // and the rows of stats' (64 dq_tiles)
+  int dq_tiles, stats_seq;
 
   // Packed sequences (hopper_bwd_packed.cu; batch 1, the seq dims the tokens): the block table
   // of the key side (hopper_fwd_packed_table.cuh, built from the key offsets: each run's
@@ -48,6 +49,13 @@ struct BwdParams : HopperGeometry {
   int block_count;
   const int* tile_base;
   bool bottom_right;
+  // the query offsets [num_seqs + 1] and the bound on a sequence's queries (the first pass
+  // finds each dQ tile's rows from them)
+  const int* q_offsets;
+  int num_seqs, max_seqlen_q;
+  // dQ in q's layout and dtype, written by the last pass (hopper_bwd_postprocess.cuh) from
+  // dq_accum, times `scale`; its rows that no sequence covers zeroed by the first pass
+  void* dq;
 };
 
 }  // namespace attnaux_hopper

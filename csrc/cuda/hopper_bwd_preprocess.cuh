@@ -17,11 +17,40 @@ namespace attnaux_hopper {
 constexpr int kPreprocessRows = 64;      // a CTA's query rows: one query tile of the main kernel
 constexpr int kPreprocessThreads = 256;
 
-// Grid (max(tiles of the rows, p.dq_tiles), q_heads, batch): CTA m writes the statistics of
-// rows [64 m, 64 m + 64) below q_seq (if any) and zeroes dQ tile m (if m < dq_tiles). A row of O
-// and dO (D 16-bit values, 2 D bytes) is read by D / 8 threads, 16 bytes each, and summed across
-// them by shuffles.
-template <class T, int kHeadDim>
+// Grid (p.dq_tiles, q_heads, batch), packed (p.dq_tiles + tiles of 64 tokens, q_heads, 1): CTA m <
+// dq_tiles writes the statistics of query tile m (rows past its sequence's end: lse +inf and row
+// term 0, seen by no key) and zeroes its dQ sums; packed, each further CTA zeroes dq's rows of
+// its 64 tokens that no sequence covers (the last pass writes the others). Tile m holds
+// rows [64 m, 64 m + 64) of its batch row (dense), or (kPacked) rows [64 j, 64 j + 64) of the
+// sequence i whose tiles `tile_base[i] <= m < tile_base[i + 1]` hold it, j = m - tile_base[i]
+// (its rows are tokens offsets[i] + 64 j + r). A row of O and dO (D 16-bit values, 2 D bytes)
+// is read by D / 8 threads, 16 bytes each, and summed across them by shuffles.
+// Packed: whether token `row` lies in a sequence's first max_seqlen_q tokens (the last sequence,
+// of those before num_seqs, whose offset is at most row: a sequence holding it if any does).
+__device__ __forceinline__ bool TokenCovered(const BwdParams& p, int row) {
+  if (p.num_seqs == 0) return false;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.q_offsets[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  const int start = p.q_offsets[lo];
+  return row >= start && row - start < min(p.q_offsets[lo + 1] - start, p.max_seqlen_q);
+}
+
+// Packed: the sequence holding dQ tile m (m < tile_base[num_seqs]) and the tile's index in it.
+__device__ __forceinline__ int2 TileSequence(const BwdParams& p, int m) {
+  // the last sequence (of those before num_seqs) whose first tile is at most m (an empty one
+  // shares its first tile index with the next)
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.tile_base[mid] <= m) lo = mid; else hi = mid - 1;
+  }
+  return make_int2(lo, m - p.tile_base[lo]);
+}
+
+template <class T, int kHeadDim, bool kPacked>
 __global__ void __launch_bounds__(kPreprocessThreads)
     HopperBwdPreprocess(const __grid_constant__ BwdParams p) {
   constexpr int kChunks = kHeadDim / 8;                            // 16-byte chunks a row
@@ -30,59 +59,78 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   static_assert(kPreprocessRows % kRowsAPass == 0);
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int t = threadIdx.x, chunk = t % kChunks;
-  const int first_row = m * kPreprocessRows;
   __shared__ float row_dot[kPreprocessRows];
-
-  if (first_row < p.q_seq) {  // (the same for the whole CTA: its barrier is met by all)
-    const int64_t row_stride = int64_t(p.q_heads) * kHeadDim;
-    const int64_t first = (int64_t(b) * p.q_seq + first_row) * row_stride +
-                          int64_t(h) * kHeadDim + chunk * 8;
-    CUTE_UNROLL
-    for (int r = t / kChunks; r < kPreprocessRows; r += kRowsAPass) {
-      float sum = 0.0f;
-      if (first_row + r < p.q_seq) {
-        const uint4 o = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) +
-                                                             first + r * row_stride));
-        const uint4 d = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) +
-                                                             first + r * row_stride));
-        const T* ov = reinterpret_cast<const T*>(&o);
-        const T* dv = reinterpret_cast<const T*>(&d);
-        CUTE_UNROLL
-        for (int i = 0; i < 8; ++i) sum += static_cast<float>(ov[i]) * static_cast<float>(dv[i]);
-      }
+  if constexpr (kPacked) {
+    if (m >= p.dq_tiles) {  // a tile of 64 tokens: dq's rows that no sequence covers, zeroed
+      const int token = (m - p.dq_tiles) * kPreprocessRows + t / kChunks;
       CUTE_UNROLL
-      for (int lanes = kChunks / 2; lanes > 0; lanes /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+      for (int pass = 0; pass < kPreprocessRows / kRowsAPass; ++pass) {
+        const int row = token + pass * kRowsAPass;
+        if (row < p.q_seq && !TokenCovered(p, row)) {
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) +
+                                    (int64_t(row) * p.q_heads + h) * kHeadDim + chunk * 8) =
+              make_uint4(0, 0, 0, 0);
+        }
       }
-      if (chunk == 0) row_dot[r] = sum;
+      return;
     }
-    __syncthreads();
-    if (t < kPreprocessRows && first_row + t < p.q_seq) {
-      const int64_t bh = int64_t(b) * p.q_heads + h;
+  }
+
+  int first_row = m * kPreprocessRows, rows = kPreprocessRows;  // this tile's token rows
+  if constexpr (kPacked) {
+    rows = 0;
+    if (m < p.tile_base[p.num_seqs]) {
+      const int2 at = TileSequence(p, m);
+      const int q_len = min(p.q_offsets[at.x + 1] - p.q_offsets[at.x], p.max_seqlen_q);
+      first_row = p.q_offsets[at.x] + at.y * kPreprocessRows;
+      rows = min(q_len - at.y * kPreprocessRows, kPreprocessRows);
+    }
+  }
+  const int64_t row_stride = int64_t(p.q_heads) * kHeadDim;
+  const int64_t first = (int64_t(b) * p.q_seq + first_row) * row_stride +
+                        int64_t(h) * kHeadDim + chunk * 8;
+  CUTE_UNROLL
+  for (int r = t / kChunks; r < kPreprocessRows; r += kRowsAPass) {
+    float sum = 0.0f;
+    if (r < rows) {
+      const uint4 o = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) +
+                                                           first + r * row_stride));
+      const uint4 d = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) +
+                                                           first + r * row_stride));
+      const T* ov = reinterpret_cast<const T*>(&o);
+      const T* dv = reinterpret_cast<const T*>(&d);
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) sum += static_cast<float>(ov[i]) * static_cast<float>(dv[i]);
+    }
+    CUTE_UNROLL
+    for (int lanes = kChunks / 2; lanes > 0; lanes /= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    }
+    if (chunk == 0) row_dot[r] = sum;
+  }
+  __syncthreads();
+  if (t < kPreprocessRows) {
+    const int64_t bh = int64_t(b) * p.q_heads + h;
+    float* stats = p.stats + bh * 2 * p.stats_seq + int64_t(m) * kPreprocessRows + t;
+    if (t < rows) {
       const int64_t at = bh * p.q_seq + first_row + t;
       const float lse = p.lse[at];
-      float* stats = p.stats + bh * 2 * p.stats_seq + first_row + t;
       // lse in log2 units, +inf for a row that sees no key (lse -inf), so that P = 0 there
       stats[0] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
       stats[p.stats_seq] = row_dot[t] - p.dlse[at];
+    } else {
+      stats[0] = INFINITY;
+      stats[p.stats_seq] = 0.0f;
     }
   }
-  if (m < p.dq_tiles) {  // this query tile's dQ sums, which every key block's CTA adds into
-    float4* dq = reinterpret_cast<float4*>(
-        p.dq_accum + ((int64_t(b) * p.q_heads + h) * p.dq_tiles + m) *
-                         (kPreprocessRows * kHeadDim));
-    CUTE_UNROLL
-    for (int i = t; i < kPreprocessRows * kHeadDim / 4; i += kPreprocessThreads) {
-      dq[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
+  // this query tile's dQ sums, which every key block's CTA adds into
+  float4* dq = reinterpret_cast<float4*>(
+      p.dq_accum + ((int64_t(b) * p.q_heads + h) * p.dq_tiles + m) *
+                       (kPreprocessRows * kHeadDim));
+  CUTE_UNROLL
+  for (int i = t; i < kPreprocessRows * kHeadDim / 4; i += kPreprocessThreads) {
+    dq[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-}
-
-// The first pass's grid: the rows' 64-row tiles or dq's tiles, whichever are more.
-inline dim3 PreprocessGrid(const BwdParams& p) {
-  const int row_tiles = (p.q_seq + kPreprocessRows - 1) / kPreprocessRows;
-  return dim3(unsigned(row_tiles > p.dq_tiles ? row_tiles : p.dq_tiles), unsigned(p.q_heads),
-              unsigned(p.batch));
 }
 
 }  // namespace attnaux_hopper

@@ -586,7 +586,7 @@ CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd_packed"
 _CUDA_BACKWARD_LAYOUTS = {
     **_CUDA_LAYOUTS, "dout": ("one", "q_tokens", HEADS, "v_dim"),
     "dlse": ("one", HEADS, "q_tokens"), "tile_base": ("bounds",),
-    "dq_sum": (HEADS, "dq_tiles", "halves", "half_tile"),
+    "dq": ("one", "q_tokens", HEADS, "qk_dim"),
     "dk": ("one", "kv_tokens", KV_HEADS, "qk_dim"), "dv": ("one", "kv_tokens", KV_HEADS, "v_dim"),
 }
 
@@ -648,21 +648,16 @@ _cuda_both.defvjp(_cuda_both_fwd, _cuda_both_bwd)
 def cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side):
     """`(dq, dk, dv)` of packed sequences (q, k, v, out, dout `[1, tokens, heads, dim]`; lse,
     dlse `[1, Hq, Tq]`) on attnaux's CUDA C++ backward: each sequence's query tiles of 64 rows
-    get dQ tiles of their own (from `tile_base`, the tiles of the sequences before), which are
-    gathered back to the tokens here (0 for the tokens no sequence covers)."""
-    lengths = q_side.lengths
-    tiles = (lengths + hopper.BLOCK_Q - 1) // hopper.BLOCK_Q
+    get dQ sums of their own (from `tile_base`, the tiles of the sequences before), which the
+    handler's last pass writes to the tokens' rows (0 for the tokens no sequence covers)."""
+    tiles = (q_side.lengths + hopper.BLOCK_Q - 1) // hopper.BLOCK_Q
     tile_base = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                  jnp.cumsum(tiles, dtype=jnp.int32)])
     op = _cuda_backward_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
                            int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv))
     r = op(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse,
            q_offsets=q_side.offsets, kv_offsets=kv_side.offsets, tile_base=tile_base)
-    # dQ's tiles in token order: sequence i's token at position pos is row tile_base[i] 64 + pos
-    rows = hopper._cuda_dq(r["dq_sum"][None], float(cfg.scale), q.dtype)[0]
-    source = tile_base[q_side.seq] * hopper.BLOCK_Q + q_side.pos
-    dq = jnp.where(q_side.covered[:, None, None], rows[source], 0)
-    return dq[None], r["dk"], r["dv"]
+    return r["dq"], r["dk"], r["dv"]
 
 
 @functools.cache
@@ -685,28 +680,29 @@ def _cuda_backward_op(scale: float, causal: int, window_left: int, window_right:
 
     def shapes(ops):
         q, k = ops["q"], ops["k"]
-        tiles = dq_tiles(q, ops["q_offsets"])
-        return (jax.ShapeDtypeStruct((q.shape[2], tiles, 2, hopper.BLOCK_Q * q.shape[3] // 2),
-                                     jnp.float32),
-                jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype))
+        return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype))
 
     def kernel(q, k, v, out, dout, lse, dlse, q_offsets, kv_offsets, tile_base):
         # (the key side's block table is built on the device from the offsets, by the
-        # handler's first kernel)
+        # handler's first kernel; the dQ sums, the rows' statistics and the table are work
+        # buffers)
         n = q_offsets.shape[0] - 1
         blocks = cuda_block_count(k.shape[1], n)
-        stats = jax.ShapeDtypeStruct((1, q.shape[2], 2, -(-q.shape[1] // 64) * 64), jnp.float32)
-        work = jax.ShapeDtypeStruct((6 * blocks + 2 * n + 2,), jnp.int32)
-        dq_sum, dk, dv, _, _ = jax.ffi.ffi_call(
-            CUDA_BACKWARD_TARGET,
-            (*shapes(dict(q=q, k=k, q_offsets=q_offsets)), stats, work))(
+        tiles = dq_tiles(q, q_offsets)
+        work = (jax.ShapeDtypeStruct((q.shape[2], tiles, 2, hopper.BLOCK_Q * q.shape[3] // 2),
+                                     jnp.float32),
+                jax.ShapeDtypeStruct((1, q.shape[2], 2, 64 * tiles), jnp.float32),
+                jax.ShapeDtypeStruct((6 * blocks + 2 * n + 2,), jnp.int32))
+        dq, dk, dv, *_ = jax.ffi.ffi_call(
+            CUDA_BACKWARD_TARGET, (*shapes(dict(q=q, k=k)), *work))(
             q, k, v, out, dout, lse, dlse, q_offsets.astype(jnp.int32),
             kv_offsets.astype(jnp.int32), tile_base.astype(jnp.int32),
             block_count=np.int64(blocks), **attrs)
-        return dq_sum, dk, dv
+        return dq, dk, dv
 
     names = ("q", "k", "v", "out", "dout", "lse", "dlse", "q_offsets", "kv_offsets",
              "tile_base")
     return KernelOp(CUDA_BACKWARD_TARGET, tuple((name, SHARED) for name in names),
-                    ("dq_sum", "dk", "dv"), shapes, {}, kernel=kernel, sequential=True,
+                    ("dq", "dk", "dv"), shapes, {}, kernel=kernel, sequential=True,
                     layout=lambda name, shape: _CUDA_BACKWARD_LAYOUTS[name])
