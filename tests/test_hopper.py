@@ -842,6 +842,44 @@ def test_the_hopper_forward_row_runs_the_forward_kernel(causal, sink):
     close(row_max, aux.max, 1e-5, "max")
 
 
+@pytest.mark.parametrize("causal, sink", [("top_left", False), ("bottom_right", True)])
+def test_the_hopper_both_row_differentiates_with_the_backward_kernel(causal, sink):
+    """The dispatch's `FLASH_HOPPER_BOTH` row end to end, differentiated, on the CPU with the
+    Hopper kernels' stand-in (`tests/hopper_emulation.py`: the forward and the backward the CUDA
+    kernel computes, so no cuDNN graph either way): `_flash_cudnn`'s VJP with
+    `_hopper_mods.plain_backward` in cuDNN's backward's place gives reference's gradients of a
+    loss with out, an lse term and the sink."""
+    from hopper_emulation import close, emulated_kernels
+
+    from attnaux import _dispatch
+    from attnaux._canon import canonicalize, parse_statics
+
+    keys = [jax.random.fold_in(jax.random.key(6), i) for i in range(4)]
+    q = jax.random.normal(keys[0], (2, 136, 4, 32))
+    k, v = (jax.random.normal(kk, (2, 200, 2, 32)) for kk in keys[1:3])
+    w = jax.random.normal(keys[3], q.shape)
+    sinks = jnp.linspace(-1.0, 1.0, 4) if sink else None
+    statics = parse_statics(scale=None, causal=causal, window=None, softcap=None,
+                            dropout_rate=0.0)
+
+    def loss(run, q, k, v):
+        problem = canonicalize(q, k, v, statics, sink=sinks)
+        out, lse, _, _ = run(problem.arrays, problem.options)
+        return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) ** 2)
+
+    def both(arrays, options):
+        return _dispatch.FLASH_HOPPER_BOTH.module.run(arrays, options, False)
+
+    def reference(arrays, options):
+        return _dispatch.implementation("reference", "cpu").module.run(arrays, options, False)
+
+    with emulated_kernels():
+        got = jax.jit(jax.grad(functools.partial(loss, both), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    for name, g, r in zip("qkv", got, want, strict=True):
+        close(g, r, 1e-4, f"d{name}")
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_cuda_dq_reorders_the_accumulator_order(dim):
     """`_cuda_dq` undoes the CUDA backward's dq_accum order: per query tile, two warpgroups'
