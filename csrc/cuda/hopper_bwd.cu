@@ -150,7 +150,12 @@ ffi::Error HopperBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.dq_tiles = int(q_seq / 64);
   p.stats_seq = int(q_seq);
 
-  if (bsz == 0 || q_seq == 0 || q_heads == 0) return ffi::Error::Success();
+  if (bsz == 0 || q_heads == 0) return ffi::Error::Success();  // (every array empty)
+  if (q_seq == 0) {  // no query: dK and dV are 0 (dq_accum is empty)
+    cudaError_t err = cudaMemsetAsync(p.dk, 0, dk->size_bytes(), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(p.dv, 0, dv->size_bytes(), stream);
+    return CudaResult(kTarget, err);
+  }
   if (kv_seq == 0) {  // no key: dQ is 0 (dk and dv are empty)
     return CudaResult(kTarget, cudaMemsetAsync(p.dq_accum, 0,
                                                sizeof(float) * dq_accum->element_count(),

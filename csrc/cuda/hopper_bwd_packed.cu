@@ -185,7 +185,12 @@ ffi::Error HopperBwdPackedImpl(
   p.block_count = int(block_count);
   p.tile_base = tile_base.typed_data();
   p.bottom_right = bottom_right != 0;
-  if (q_heads == 0 || total_q == 0) return ffi::Error::Success();
+  if (q_heads == 0) return ffi::Error::Success();  // (every array empty)
+  if (total_q == 0) {  // no query: dK and dV are 0 (dq is empty)
+    cudaError_t err = cudaMemsetAsync(p.dk, 0, dk->size_bytes(), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(p.dv, 0, dv->size_bytes(), stream);
+    return CudaResult(kTarget, err);
+  }
   if (total_kv == 0) {  // no key: dQ is 0 (dk and dv are empty)
     return CudaResult(kTarget, cudaMemsetAsync(p.dq, 0, dq->size_bytes(), stream));
   }
