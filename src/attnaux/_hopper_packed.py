@@ -538,19 +538,26 @@ def _cuda_then_hopper_bwd(cfg, options, saved, cotangents):
 _cuda_then_hopper.defvjp(_cuda_then_hopper_fwd, _cuda_then_hopper_bwd)
 
 
-@functools.cache
-def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
-             max_kv: int, with_stats: bool):
+def _cuda_attrs(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
+                max_kv: int) -> dict:
+    """The packed CUDA kernels' visibility attributes, as the dense forward's (the offsets are
+    each sequence's), with the scale and the causal alignment."""
     window = None
     if window_left >= 0 or window_right >= 0:
         unbounded = max_q + max_kv
         window = (window_left if window_left >= 0 else unbounded,
                   window_right if window_right >= 0 else unbounded)
-    # (the visibility attributes as the dense forward's; the offsets are each sequence's)
     geometry = hopper.Geometry(causal != 0, window, 0, max_kv, max_q)
     attrs = hopper._geometry_attrs(geometry)
     attrs = {name: attrs[name] for name in ("has_upper", "upper", "has_lower", "lower")}
     attrs.update(scale=np.float32(scale), bottom_right=np.int32(causal == 2))
+    return attrs
+
+
+@functools.cache
+def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
+             max_kv: int, with_stats: bool):
+    attrs = _cuda_attrs(scale, causal, window_left, window_right, max_q, max_kv)
 
     def shapes(ops):
         q = ops["q"]
@@ -663,16 +670,8 @@ def cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side):
 @functools.cache
 def _cuda_backward_op(scale: float, causal: int, window_left: int, window_right: int,
                       max_q: int, max_kv: int):
-    window = None
-    if window_left >= 0 or window_right >= 0:
-        unbounded = max_q + max_kv
-        window = (window_left if window_left >= 0 else unbounded,
-                  window_right if window_right >= 0 else unbounded)
-    geometry = hopper.Geometry(causal != 0, window, 0, max_kv, max_q)
-    attrs = hopper._geometry_attrs(geometry)
-    attrs = {name: attrs[name] for name in ("has_upper", "upper", "has_lower", "lower")}
-    attrs.update(scale=np.float32(scale), bottom_right=np.int32(causal == 2),
-                 max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
+    attrs = _cuda_attrs(scale, causal, window_left, window_right, max_q, max_kv)
+    attrs.update(max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
 
     def dq_tiles(q, q_offsets):
         # a bound on the sequences' 64-row tiles: each at most one more than its whole tiles
