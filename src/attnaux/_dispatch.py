@@ -322,6 +322,15 @@ def call_statics(scale, causal, window, softcap, dropout_rate, return_probs, bac
     )
 
 
+def _plain_causal(problem: Problem) -> bool:
+    """Causal attention (a window allowed) with no bias, mask, segment ids, sequence lengths,
+    softcap or dropout: what attnaux's Hopper forward and CUDA backward take in cuDNN's place."""
+    a, o = problem.arrays, problem.options
+    return (a.bias is None and a.mask is None and a.q_segment_ids is None
+            and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
+            and o.dropout_rate == 0 and o.causal != 0)
+
+
 def gpu_forward_on_hopper(problem: Problem) -> str | None:
     """Why GPU `flash` runs this call's forward on attnaux's Hopper kernel
     (`GPU_HOPPER_FORWARD_MIN_SEQ`), or None where cuDNN runs it."""
@@ -329,10 +338,7 @@ def gpu_forward_on_hopper(problem: Problem) -> str | None:
     if not GPU_FORWARD_ON_HOPPER or _flash_hopper.device_unavailable(a.q, a.k, a.v) is not None:
         return None
     dim, q_seq, kv_seq = a.q.shape[-1], a.q.shape[1], a.k.shape[1]
-    plain = (a.bias is None and a.mask is None and a.q_segment_ids is None
-             and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
-             and o.dropout_rate == 0 and o.causal != 0)
-    if (not plain or dim not in GPU_HOPPER_FORWARD_HEAD_DIMS
+    if (not _plain_causal(problem) or dim not in GPU_HOPPER_FORWARD_HEAD_DIMS
             or min(q_seq, kv_seq) < GPU_HOPPER_FORWARD_MIN_SEQ
             or _flash_cudnn.padding_needed(o, q_seq, kv_seq)):
         return None
@@ -348,11 +354,8 @@ def gpu_backward_on_cuda(problem: Problem) -> str | None:
     if not GPU_BACKWARD_ON_CUDA or _flash_hopper.device_unavailable(a.q, a.k, a.v) is not None:
         return None
     q_seq, kv_seq = a.q.shape[1], a.k.shape[1]
-    plain = (a.bias is None and a.mask is None and a.q_segment_ids is None
-             and a.kv_segment_ids is None and not o.has_seqlens and o.softcap == 0
-             and o.dropout_rate == 0 and o.causal != 0 and o.window_left < 0
-             and o.window_right < 0)
-    if (not plain or a.q.shape[-1] != 128 or a.v.shape[-1] != 128
+    windowed = o.window_left >= 0 or o.window_right >= 0
+    if (not _plain_causal(problem) or windowed or a.q.shape[-1] != 128 or a.v.shape[-1] != 128
             or a.q.dtype not in (np.dtype("bfloat16"), np.dtype("float16"))
             or q_seq % _flash_hopper.BLOCK_Q or min(q_seq, kv_seq) < GPU_CUDA_BACKWARD_MIN_SEQ
             or _flash_cudnn.padding_needed(o, q_seq, kv_seq)
