@@ -25,29 +25,30 @@ constexpr int kPreprocessThreads = 256;
 // sequence i whose tiles `tile_base[i] <= m < tile_base[i + 1]` hold it, j = m - tile_base[i]
 // (its rows are tokens offsets[i] + 64 j + r). A row of O and dO (D 16-bit values, 2 D bytes)
 // is read by D / 8 threads, 16 bytes each, and summed across them by shuffles.
-// Packed: whether token `row` lies in a sequence's first max_seqlen_q tokens (the last sequence,
-// of those before num_seqs, whose offset is at most row: a sequence holding it if any does).
-__device__ __forceinline__ bool TokenCovered(const BwdParams& p, int row) {
-  if (p.num_seqs == 0) return false;
-  int lo = 0, hi = p.num_seqs - 1;
+// The last i in [0, count) with starts[i] <= value (0 if none), starts non-decreasing: with a
+// sequence's first token (or dQ tile) as starts, the sequence holding `value` if any does (an
+// empty sequence shares its start with the next, which the search passes on to).
+__device__ __forceinline__ int LastAtMost(const int* starts, int count, int value) {
+  int lo = 0, hi = count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (p.q_offsets[mid] <= row) lo = mid; else hi = mid - 1;
+    if (starts[mid] <= value) lo = mid; else hi = mid - 1;
   }
-  const int start = p.q_offsets[lo];
-  return row >= start && row - start < min(p.q_offsets[lo + 1] - start, p.max_seqlen_q);
+  return lo;
+}
+
+// Packed: whether token `row` lies in a sequence's first max_seqlen_q tokens.
+__device__ __forceinline__ bool TokenCovered(const BwdParams& p, int row) {
+  if (p.num_seqs == 0) return false;
+  const int seq = LastAtMost(p.q_offsets, p.num_seqs, row);
+  const int start = p.q_offsets[seq];
+  return row >= start && row - start < min(p.q_offsets[seq + 1] - start, p.max_seqlen_q);
 }
 
 // Packed: the sequence holding dQ tile m (m < tile_base[num_seqs]) and the tile's index in it.
 __device__ __forceinline__ int2 TileSequence(const BwdParams& p, int m) {
-  // the last sequence (of those before num_seqs) whose first tile is at most m (an empty one
-  // shares its first tile index with the next)
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.tile_base[mid] <= m) lo = mid; else hi = mid - 1;
-  }
-  return make_int2(lo, m - p.tile_base[lo]);
+  const int seq = LastAtMost(p.tile_base, p.num_seqs, m);
+  return make_int2(seq, m - p.tile_base[seq]);
 }
 
 template <class T, int kHeadDim, bool kPacked>
