@@ -2,6 +2,7 @@
 
     python benchmarks/varlen_gpu.py           # the shapes of issue 22 (bf16, 16 heads x 128)
     python benchmarks/varlen_gpu.py --quick   # one shape
+    python benchmarks/varlen_gpu.py --candidates varlen,"varlen cuda-bwd"   # those and FA3
     python benchmarks/varlen_gpu.py --breakdown   # where the Hopper kernels' packed time goes
     python benchmarks/varlen_gpu.py --max-seqlen tokens   # max_seqlen_* = the tokens, a loose
                                                           # static bound (attnaux and FA3 alike)
@@ -13,12 +14,16 @@ their longest (`--max-seqlen tokens`: the number of tokens, the bound a jitted c
 reading the lengths):
 
 - `varlen`: `attnaux.varlen_attention` as `auto` serves it (GPU `flash`: cuDNN's ragged layout;
-  on a Hopper GPU from `max_seqlen_q` 256 attnaux's CUDA forward over the packed tokens and
-  cuDNN's ragged backward, or the Hopper kernels' packed backward where `max_seqlen_*` would
-  make cuDNN's grid many times the tokens, `_dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD`;
-  out + lse + max);
+  on a Hopper GPU from `max_seqlen_q` 256 attnaux's CUDA forward over the packed tokens and, at
+  head dim 128, attnaux's CUDA backward over them; at other head dims cuDNN's ragged backward,
+  or the Hopper kernels' packed backward where `max_seqlen_*` would make cuDNN's grid many times
+  the tokens, `_dispatch.GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD`; out + lse + max);
 - `varlen cuda`: the same call with the CUDA forward at every length and cuDNN's backward
-  (`_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 0`, the spread bound off);
+  (`_dispatch.GPU_VARLEN_CUDA_FORWARD_MIN_SEQ = 0`, `GPU_VARLEN_CUDA_BACKWARD` and the spread
+  bound off);
+- `varlen cuda-bwd`: the same call with attnaux's CUDA kernels both ways at every length
+  (`_dispatch.GPU_VARLEN_CUDA_BACKWARD` on, `GPU_VARLEN_CUDA_FORWARD_MIN_SEQ` and
+  `GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ` 0);
 - `varlen ragged`: the same call with `_dispatch.GPU_VARLEN_CUDA_FORWARD` and the spread bound
   off (cuDNN's ragged layout both ways);
 - `varlen hopper`: the same call with `_dispatch.GPU_VARLEN_PREFERS_HOPPER` on (attnaux's own
@@ -98,8 +103,8 @@ def _candidates(tokens, docs, varied=False, loose=False):
                                      kv_segment_ids=ids, backend="flash")
         return out[0], aux.lse
 
-    fns = {"varlen": varlen, "varlen cuda": varlen, "varlen ragged": varlen,
-           "varlen hopper": varlen, "segments": segments}
+    fns = {"varlen": varlen, "varlen cuda": varlen, "varlen cuda-bwd": varlen,
+           "varlen ragged": varlen, "varlen hopper": varlen, "segments": segments}
     if not varied:
         fns["batched"] = batched
     if dew_flash_attn is not None:
@@ -109,12 +114,15 @@ def _candidates(tokens, docs, varied=False, loose=False):
     return fns
 
 
-COLUMNS = ["varlen", "varlen cuda", "varlen ragged", "varlen hopper", "varlen+lse", "batched",
-           "segments", "fa3 varlen"]
-RATIOS = ("varlen", "varlen cuda", "varlen ragged", "varlen hopper")
-_CUDNN_BACKWARD = {"GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD": float("inf")}  # whatever the bound
+COLUMNS = ["varlen", "varlen cuda", "varlen cuda-bwd", "varlen ragged", "varlen hopper",
+           "varlen+lse", "batched", "segments", "fa3 varlen"]
+RATIOS = ("varlen", "varlen cuda", "varlen cuda-bwd", "varlen ragged", "varlen hopper")
+_CUDNN_BACKWARD = {"GPU_VARLEN_CUDNN_BACKWARD_MAX_SPREAD": float("inf"),  # whatever the bound
+                   "GPU_VARLEN_CUDA_BACKWARD": False}
 FLAGS = {"varlen hopper": {"GPU_VARLEN_PREFERS_HOPPER": True},
          "varlen cuda": {"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ": 0, **_CUDNN_BACKWARD},
+         "varlen cuda-bwd": {"GPU_VARLEN_CUDA_FORWARD_MIN_SEQ": 0, "GPU_VARLEN_CUDA_BACKWARD": True,
+                             "GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ": 0},
          "varlen ragged": {"GPU_VARLEN_CUDA_FORWARD": False, **_CUDNN_BACKWARD}}
 
 
@@ -208,7 +216,13 @@ def main():
     parser.add_argument("--max-seqlen", choices=("longest", "tokens"), default="longest",
                         help="the packed calls' max_seqlen_*: the longest document (default) or "
                              "the number of tokens")
+    parser.add_argument("--candidates", default=None,
+                        help="comma-separated columns to time (FA3 always); default: all")
     args = parser.parse_args()
+    chosen = None if args.candidates is None else {*args.candidates.split(","), "fa3 varlen"}
+    if chosen is not None and not chosen <= set(COLUMNS):
+        parser.error(f"--candidates: expected names among {COLUMNS}; got "
+                     f"{sorted(chosen - set(COLUMNS))}")
     loose = args.max_seqlen == "tokens"
     if args.breakdown:
         print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
@@ -233,14 +247,19 @@ def main():
                                         jnp.bfloat16) for i in range(4))
         w = w.astype(jnp.float32)
         fns = _candidates(tokens, docs, varied, loose)
+        lse_too = chosen is None or "varlen+lse" in chosen
+        if chosen is not None:
+            fns = {n: f for n, f in fns.items() if n in chosen or (n == "varlen" and lse_too)}
         fwd = timed({n: _compiled(_forward(f), (q, k, v), n) for n, f in fns.items()}, (q, k, v))
         bwd_fns = {n: _compiled(_backward(f), (q, k, v, w), n) for n, f in fns.items()}
-        bwd_fns["varlen+lse"] = _compiled(_backward(fns["varlen"], with_lse=True), (q, k, v, w))
+        if lse_too:
+            bwd_fns["varlen+lse"] = _compiled(_backward(fns["varlen"], with_lse=True),
+                                              (q, k, v, w))
         bwd = timed(bwd_fns, (q, k, v, w))
         for name, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             cells = [f"{times[n] * 1e3:.3f}" if n in times else "-" for n in COLUMNS]
-            ratios = [f"{times['fa3 varlen'] / times[n]:.2f}x" if "fa3 varlen" in times else "-"
-                      for n in RATIOS]
+            ratios = [f"{times['fa3 varlen'] / times[n]:.2f}x"
+                      if "fa3 varlen" in times and n in times else "-" for n in RATIOS]
             label = f"{docs} varied" if varied else f"{docs}"
             print(f"| {tokens} | {label} | {name} | " + " | ".join(cells + ratios) + " |")
     print("(ms, median of rounds; fa3 / x = FA3 time / x's time: > 1 means x is faster)")

@@ -109,21 +109,24 @@ Hopper kernels' in time: spread 42.7 (16384 tokens, 64 documents of equal or var
 3.9 (16384 / 4) 0.81x, and with `max_seqlen` the longest document (spread at most 1.6)
 0.75-0.81x."""
 
-GPU_VARLEN_CUDA_BACKWARD = False
-GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ = 1024
+GPU_VARLEN_CUDA_BACKWARD = True
+GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ = 256
 """Where `varlen_attention` on GPU `flash` runs on attnaux's CUDA C++ kernels both ways (mode
 `cuda-cuda`: the CUDA forward above, then the CUDA backward over the packed tokens,
 `_hopper_packed.cuda_backward`: the key side's block table built on the device, a CTA per 128
 keys of a sequence and kv head over its sequence's query tiles; its work follows the tokens,
 not `max_seqlen_*`): with the switch on, where the CUDA forward serves, at head dim 128, off
 XLA's deterministic mode, and `max_seqlen_q` at least `GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ`.
-Off by default (opt-in): measured on an H100 (2026-11-28, eleventh session, docs/performance.md;
-causal, 16 heads x 128, bf16, one call's kernels, forward+backward), 435.6 us against cuDNN's
-ragged backward's 432.8 at 8192 tokens / 8 documents and 830.0 against 793.4 at 16384 / 16:
-its main kernel is ahead of cuDNN's (223.5 against 235.6 us, 427.0 against 433.8), its last
-pass, which writes dQ to the tokens' rows, is not (63.5 against cuDNN's 38.7 us, 126.7 against
-73.9); and its parity tests did not finish within that session's device time (memcheck over
-four geometries with NaN in the padding: 0 errors)."""
+Measured on an H100 (2026-11-28, twentieth session, `benchmarks/varlen_gpu.py --candidates
+"varlen,varlen cuda,varlen cuda-bwd"`, causal, 16 heads x 128, bf16, ms forward+backward), the
+CUDA backward / cuDNN's ragged backward after the same CUDA forward / FA3 varlen: 0.873 /
+0.894 / 0.813 at 16384 tokens and 16 documents, 0.648 / 0.671 / 0.612 at 64, 0.464 / 0.490 /
+0.418 at 8192 / 8, 2.154 / 2.310 / 1.918 at 16384 / 4, 1.032 / 1.060 / 0.933 with 16 documents
+of varied lengths, and behind only with 64 varied (`max_seqlen` 448): 0.733 / 0.712 / 0.680.
+Below 256 query rows the CUDA forward does not serve either (`GPU_VARLEN_CUDA_FORWARD_MIN_SEQ`).
+The kernels a call (`tools/gpu_dev/prof_varlen.py 8192/8`, a timeline, switching this flag): main kernel 223.8 us
+against cuDNN's 236.1, first pass 46.7 (cuDNN 47.7, FA3 44.3), the dQ pass 35.6 (cuDNN 38.6,
+FA3 33.3)."""
 
 CPU_VARLEN_ROW_MIN_SAVING = 2.0
 """How many times the rows of one packed row `varlen_attention`'s padded layout (`num_seqs x
