@@ -522,6 +522,165 @@ def test_gpu_cuda_backward_nan_in_one_sequence(options):
         np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2)
 
 
+def _emulated_cuda_forward(cfg, q, k, v, q_offsets, kv_offsets, with_stats=False):
+    """What `_hopper_packed.cuda_forward` computes, densely in float32 from the offsets alone
+    (sequence i: tokens from its offset, `min(span, max_seqlen_*)` of them; rules of
+    `_masking.visibility`, bottom-right per sequence): `(out, lse, max, None)` of the packed
+    tokens `[1, T, H, D]` / `[1, Hq, Tq]`, out 0 and lse = max = -inf on rows that see no key."""
+    def packing(offsets, tokens, most):
+        t = jnp.arange(tokens)
+        n = offsets.shape[0] - 1
+        seq = jnp.searchsorted(offsets, t, side="right") - 1
+        inside = (seq >= 0) & (seq < n)
+        seq = jnp.clip(seq, 0, n - 1)
+        pos = t - offsets[seq]
+        lengths = jnp.minimum(jnp.diff(offsets), most)
+        return seq, pos, inside & (pos < lengths[seq]), lengths
+
+    qs, qp, q_in, q_len = packing(q_offsets, q.shape[1], cfg.max_seqlen_q)
+    ks, kp, k_in, k_len = packing(kv_offsets, k.shape[1], cfg.max_seqlen_kv)
+    i, j = qp[:, None], kp[None, :]
+    offset = (k_len - q_len)[qs][:, None] if cfg.causal == 2 else 0
+    visible = q_in[:, None] & k_in[None, :] & (qs[:, None] == ks[None, :])
+    if cfg.causal:
+        visible &= j <= i + offset
+    if cfg.window_left >= 0:
+        visible &= j >= i + offset - cfg.window_left
+    if cfg.window_right >= 0:
+        visible &= j <= i + offset + cfg.window_right
+    # (the kernels zero the tokens no sequence covers before any product: 0 * NaN is NaN)
+    group = q.shape[2] // k.shape[2]
+    qf = jnp.where(q_in[:, None, None], q[0].astype(jnp.float32), 0.0)
+    kf, vf = (jnp.repeat(jnp.where(k_in[:, None, None], x[0].astype(jnp.float32), 0.0), group,
+                         axis=1) for x in (k, v))
+    s = jnp.einsum("qhd,khd->hqk", qf, kf, precision="highest") * cfg.scale
+    s = jnp.where(visible[None], s, -jnp.inf)
+    row_max = jnp.max(s, axis=-1)
+    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    e = jnp.where(visible[None], jnp.exp(s - shift[..., None]), 0.0)
+    total = jnp.sum(e, axis=-1)
+    seen = total > 0
+    lse = jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    out = jnp.einsum("hqk,khd->qhd", e / jnp.where(seen, total, 1.0)[..., None], vf,
+                     precision="highest")
+    return out[None].astype(q.dtype), lse[None], row_max[None], None
+
+
+def _emulated_cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side):
+    """What `_hopper_packed.cuda_backward` computes: the gradients of the emulated forward's out
+    and lse for the cotangents `dout` and `dlse` (zero for the rows that see no key)."""
+    def run(q, k, v):
+        o, l, _, _ = _emulated_cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
+        return o.astype(jnp.float32), l
+    _, pull = jax.vjp(run, q, k, v)
+    return tuple(g.astype(q.dtype) for g in pull((dout.astype(jnp.float32),
+                                                  jnp.where(jnp.isfinite(lse), dlse, 0.0))))
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal="bottom_right"),
+                                     dict(window=(6, 2)), dict()], ids=str)
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_the_cuda_both_mode_wraps_the_kernels(monkeypatch, options, with_sink):
+    """`varlen_attention`'s mode `cuda-cuda` (attnaux's CUDA kernels both ways, the default on
+    a Hopper GPU at head dim 128) end to end on the CPU: the kernels' pure-JAX stand-ins
+    (`_emulated_cuda_forward`/`_backward`, computing from the offsets as the kernels do) in
+    place of the FFI calls and the plan's mode forced; `_hopper_packed`'s custom VJP, the sink
+    folded after the kernels and the lse cotangent passed to the backward give the
+    per-sequence reference's out, lse and gradients (float32, 2e-5), with NaN in the padding
+    tokens and zero gradients there; `jit`, `grad` and `vmap` over a leading batch."""
+    from attnaux import _varlen
+
+    planned = _varlen._plan
+    modes = []
+
+    def plan(*args, **kwargs):
+        problem, choice, mode, explanation, sides = planned(*args, **kwargs)
+        modes.append(mode)
+        return problem, choice, "cuda-cuda", explanation, sides
+
+    monkeypatch.setattr(_varlen, "_plan", plan)
+    monkeypatch.setattr(_hopper_packed, "cuda_forward", _emulated_cuda_forward)
+    monkeypatch.setattr(_hopper_packed, "cuda_backward", _emulated_cuda_backward)
+    jax.clear_caches()
+    q, k, v, cu_q, cu_kv = _nan_padded(Q_LENS, KV_LENS, heads=(4, 2), dims=(16, 16))
+    sink = jnp.asarray([0.5, -1.0, 0.0, 2.0]) if with_sink else None
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=max(Q_LENS),
+                max_seqlen_kv=max(KV_LENS), sink=sink, **options)
+
+    def fn(q, k, v):
+        return ax.varlen_attention(q, k, v, **args)
+
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu_q, cu_kv, sink=sink, **options)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    try:
+        out, aux = jax.jit(fn)(q, k, v)
+        got = jax.jit(jax.grad(_loss_fn(fn), argnums=(0, 1, 2)))(q, k, v)
+        batched, _ = jax.vmap(fn)(q[None], k[None], v[None])
+    finally:
+        jax.clear_caches()
+    assert modes  # the plan ran (and its mode was replaced)
+    clean = tuple(jnp.nan_to_num(x) for x in (q, k, v))
+    want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, sink=sink, **options)
+    _compare(out, aux, want_out, want_lse, 2e-5)
+    np.testing.assert_allclose(np.asarray(batched[0]), np.asarray(out), atol=1e-6, rtol=1e-6)
+    want = jax.grad(_loss_fn(ref), argnums=(0, 1, 2))(*clean)
+    nq, nk = sum(Q_LENS), sum(KV_LENS)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        g = np.asarray(g)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"d{name}")
+        assert not g[(nq if name == "q" else nk):].any(), f"d{name} in the padding"
+
+
+def test_which_way_gpu_flash_serves_packed_tokens(monkeypatch):
+    """The plan's rule for GPU `flash` on a Hopper GPU (the platform checks answering as there,
+    on the CPU): attnaux's CUDA kernels both ways from `GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ` query
+    rows, else (or with either CUDA switch off, or where the CUDA backward cannot serve) the
+    CUDA forward with cuDNN's ragged backward, and `explain`'s text says why."""
+    from attnaux import _flash_cudnn, _varlen
+    from attnaux._canon import parse_statics
+
+    chosen = _varlen.choose
+    monkeypatch.setattr(_varlen, "choose", lambda *a: chosen(*a)._replace(
+        implementation=_dispatch.implementation("flash", "gpu")))
+    monkeypatch.setattr(_flash_cudnn, "ragged_unavailable", lambda *a: None)
+    monkeypatch.setattr(_hopper_packed, "varlen_unavailable", lambda *a: None)
+    monkeypatch.setattr(_hopper_packed, "cuda_forward_unavailable", lambda *a: None)
+    backward_no = {"why": None}
+    monkeypatch.setattr(_hopper_packed, "cuda_backward_unavailable",
+                        lambda *a: backward_no["why"])
+    statics = parse_statics(scale=None, causal=True, window=None, softcap=None,
+                            dropout_rate=0.0)
+    q = k = v = jnp.zeros((1024, 2, 128), jnp.bfloat16)
+    cu = jnp.asarray([0, 300, 1024], jnp.int32)
+
+    def plan(most=724):
+        _, _, mode, explanation, _ = _varlen._plan(
+            q, k, v, cu, cu, None, None, statics=statics, max_seqlen_q=most,
+            max_seqlen_kv=most, return_probs=False, backend="flash")
+        return mode, explanation.packed
+
+    mode, how = plan()
+    assert mode == "cuda-cuda" and "both ways" in how, how
+    monkeypatch.setattr(_dispatch, "GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ", 725)
+    mode, how = plan()
+    assert mode == "cuda" and "below GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ" in how, how
+    monkeypatch.setattr(_dispatch, "GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ", 724)
+    assert plan()[0] == "cuda-cuda"
+    backward_no["why"] = "it takes head dim 128 (got 64)"
+    mode, how = plan()
+    assert mode == "cuda" and "attnaux's CUDA backward: it takes head dim 128" in how, how
+    backward_no["why"] = None
+    monkeypatch.setattr(_dispatch, "GPU_VARLEN_CUDA_BACKWARD", False)
+    mode, how = plan()
+    assert mode == "cuda" and "GPU_VARLEN_CUDA_BACKWARD is off" in how, how
+    monkeypatch.setattr(_dispatch, "GPU_VARLEN_CUDA_BACKWARD", True)
+    monkeypatch.setattr(_dispatch, "GPU_VARLEN_CUDA_FORWARD", False)
+    assert plan()[0] == "ragged"
+
+
 @gpu_only
 @pytest.mark.parametrize("dim,backward", [(128, "cudnn"), (256, "cudnn"), (128, "hopper"),
                                           (128, "cuda")])

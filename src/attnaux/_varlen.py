@@ -266,6 +266,8 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
     both_no = "GPU_VARLEN_CUDA_BACKWARD is off"  # attnaux's CUDA kernels both ways
     if not gpu_flash:
         both_no = "only GPU `flash` runs attnaux's CUDA kernels"
+    elif not _dispatch.GPU_VARLEN_CUDA_FORWARD:
+        both_no = "GPU_VARLEN_CUDA_FORWARD is off"
     elif _dispatch.GPU_VARLEN_CUDA_BACKWARD:
         if max_seqlen_q < _dispatch.GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ:
             both_no = (f"max_seqlen_q={max_seqlen_q} is below GPU_VARLEN_CUDA_BACKWARD_MIN_SEQ="
@@ -282,6 +284,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
                        f"{least}, where cuDNN's forward measured as fast")
         else:
             cuda_no = _hopper_packed.cuda_forward_unavailable(q, k, v, problem.options)
+    prefers = "GPU_VARLEN_PREFERS_HOPPER is on"  # (why not, where nothing else says)
     if both_no is None and not _dispatch.GPU_VARLEN_PREFERS_HOPPER:
         mode = "cuda-cuda"
         how = ("in place on attnaux's CUDA C++ Hopper kernels both ways (one packed row; the "
@@ -294,7 +297,7 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
         how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
                "only the tiles of each sequence), the backward on attnaux's Hopper kernels "
                "(one packed row, visiting only the tiles whose sequences meet): " + spread_why
-               + "; nothing is padded")
+               + f"; nothing is padded (attnaux's CUDA backward: {both_no or prefers})")
         choice = choice._replace(implementation=_dispatch.HOPPER_PACKED)
     elif hopper_no is None and (_dispatch.GPU_VARLEN_PREFERS_HOPPER or ragged_no is not None
                                 or spread_high):
@@ -313,7 +316,8 @@ def _plan(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_seqlen_
             mode = "cuda"
             how = ("in place: the forward on attnaux's CUDA C++ Hopper kernel (one packed row, "
                    "only the tiles of each sequence), the backward through cuDNN's ragged "
-                   "(THD) layout; nothing is padded")
+                   f"(THD) layout; nothing is padded (attnaux's CUDA backward: "
+                   f"{both_no or prefers})")
         elif gpu_flash:
             how += (" (attnaux's Hopper kernels: " + (
                 hopper_no or "measured slower here, GPU_VARLEN_PREFERS_HOPPER") + "; attnaux's "
