@@ -570,8 +570,8 @@ def _emulated_cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side)
     """What `_hopper_packed.cuda_backward` computes: the gradients of the emulated forward's out
     and lse for the cotangents `dout` and `dlse` (zero for the rows that see no key)."""
     def run(q, k, v):
-        o, l, _, _ = _emulated_cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
-        return o.astype(jnp.float32), l
+        o, lse_, _, _ = _emulated_cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
+        return o.astype(jnp.float32), lse_
     _, pull = jax.vjp(run, q, k, v)
     return tuple(g.astype(q.dtype) for g in pull((dout.astype(jnp.float32),
                                                   jnp.where(jnp.isfinite(lse), dlse, 0.0))))
@@ -689,9 +689,9 @@ def test_which_way_gpu_flash_serves_packed_tokens(monkeypatch):
                                      dict(causal=True, window=(200, 0))], ids=str)
 def test_gpu_cuda_forward_long_sequences(dim, backward, options):
     """attnaux's CUDA forward over packed tokens at head dims 128 and 256, differentiated by
-    cuDNN's ragged backward, the Hopper kernels' packed one or attnaux's CUDA one: sequences of several 128-row
-    blocks and key blocks, lengths that end inside a block, empty ones, queries and keys of
-    different lengths, GQA; NaN in the padding tokens never reaches a row."""
+    cuDNN's ragged backward, the Hopper kernels' packed one or attnaux's CUDA one: sequences of
+    several 128-row blocks and key blocks, lengths that end inside a block, empty ones, queries
+    and keys of different lengths, GQA; NaN in the padding tokens never reaches a row."""
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens, kv_lens = (700, 1, 0, 385, 129, 64), (700, 300, 6, 513, 129, 0)

@@ -124,9 +124,9 @@ CUDA backward / cuDNN's ragged backward after the same CUDA forward / FA3 varlen
 0.418 at 8192 / 8, 2.154 / 2.310 / 1.918 at 16384 / 4, 1.032 / 1.060 / 0.933 with 16 documents
 of varied lengths, and behind only with 64 varied (`max_seqlen` 448): 0.733 / 0.712 / 0.680.
 Below 256 query rows the CUDA forward does not serve either (`GPU_VARLEN_CUDA_FORWARD_MIN_SEQ`).
-The kernels a call (`tools/gpu_dev/prof_varlen.py 8192/8`, a timeline, switching this flag): main kernel 223.8 us
-against cuDNN's 236.1, first pass 46.7 (cuDNN 47.7, FA3 44.3), the dQ pass 35.6 (cuDNN 38.6,
-FA3 33.3)."""
+The kernels a call (`tools/gpu_dev/prof_varlen.py 8192/8`, a timeline, switching this flag):
+main kernel 223.8 us against cuDNN's 236.1, first pass 46.7 (cuDNN 47.7, FA3 44.3), the dQ
+pass 35.6 (cuDNN 38.6, FA3 33.3)."""
 
 CPU_VARLEN_ROW_MIN_SAVING = 2.0
 """How many times the rows of one packed row `varlen_attention`'s padded layout (`num_seqs x

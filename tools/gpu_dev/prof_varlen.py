@@ -1,46 +1,64 @@
-"""Per-kernel timeline of varlen forward+backward (causal, 16 heads x 128, bf16): cuDNN's ragged backward, attnaux's CUDA backward (`_dispatch.GPU_VARLEN_CUDA_BACKWARD` off, on), FA3 varlen.
+"""Per-kernel timeline of `varlen_attention` forward+backward (causal, 16 heads x 128, bf16):
+cuDNN's ragged backward and attnaux's CUDA backward after the same CUDA forward
+(`_dispatch.GPU_VARLEN_CUDA_BACKWARD` off, then on), then FlashAttention-3's varlen.
 
     python3 tools/gpu_dev/prof_varlen.py 8192/8 16384/16 [16384/64/loose]
+
+(tokens / documents of equal lengths; `loose`: `max_seqlen_*` the number of tokens.) Prints each
+candidate's span and busy time a call (us) and its kernels' time a call, largest first.
 """
-import glob, os, sys, tempfile  # noqa: E401
-from collections import defaultdict
-import jax, jax.numpy as jnp, numpy as np
+
+import sys
+
+import dew_flash_attn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timeline import timeline
+
 import attnaux
 from attnaux import _dispatch
-import dew_flash_attn
-H, D = 16, 128
-def timeline(f, args, N=10):
-    for _ in range(4): jax.block_until_ready(f(*args))
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        outs = [f(*args) for _ in range(N)]; jax.block_until_ready(outs)
-    pd = jax.profiler.ProfileData.from_file(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
-    evs = []
-    for plane in pd.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if "tream" in line.name: evs.extend((e.start_ns, e.duration_ns, e.name) for e in line.events)
-    evs.sort(); t0, t1 = evs[0][0], max(a + b for a, b, _ in evs)
-    per = defaultdict(int)
-    for _, du, n in evs: per[n[:70]] += du
-    return (t1 - t0) / N / 1e3, sum(per.values()) / N / 1e3, sorted(per.items(), key=lambda x: -x[1])[:7]
-for spec in sys.argv[1:]:
-    T, docs, bound = (spec.split("/") + ["tight"])[:3]
-    T, docs = int(T), int(docs); L = T // docs
-    mx = L if bound == "tight" else T
-    cu = jnp.asarray(np.arange(docs + 1) * L, jnp.int32)
+
+HEADS, DIM = 16, 128
+
+
+def profile(spec):
+    """Prints the three candidates' timelines at `spec` (tokens/documents[/loose])."""
+    tokens, docs, bound = (spec.split("/") + ["tight"])[:3]
+    tokens, docs = int(tokens), int(docs)
+    most = tokens // docs if bound == "tight" else tokens
+    cu = jnp.asarray(np.arange(docs + 1) * (tokens // docs), jnp.int32)
     key = jax.random.key(0)
-    q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (T, H, D), jnp.bfloat16) for i in range(4))
-    ours = lambda q, k, v: attnaux.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx, causal=True)[0]
-    fa3 = lambda q, k, v: dew_flash_attn.flash_mha_varlen(q, k, v, cu, mx, is_causal=True)
-    def fb(fn):
-        return jax.jit(lambda q, k, v, w: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v))
+    q, k, v, w = (jax.random.normal(jax.random.fold_in(key, i), (tokens, HEADS, DIM),
+                                    jnp.bfloat16) for i in range(4))
+    args = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=most, max_seqlen_kv=most,
+                causal=True)
+
+    def ours(q, k, v):
+        return attnaux.varlen_attention(q, k, v, **args)[0]
+
+    def fa3(q, k, v):
+        return dew_flash_attn.flash_mha_varlen(q, k, v, cu, most, is_causal=True)
+
+    def with_grad(fn):
+        def loss(q, k, v, w):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
     for name, flag in (("cudnn-bwd", False), ("cuda-bwd", True), ("fa3", None)):
         if flag is not None:
-            _dispatch.GPU_VARLEN_CUDA_BACKWARD = flag; jax.clear_caches()
-            print("  explain:", attnaux.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx, causal=True).packed[:70])
+            _dispatch.GPU_VARLEN_CUDA_BACKWARD = flag
+            jax.clear_caches()
+            print("  explain:", attnaux.explain(q, k, v, **args).packed[:70])
         fn = fa3 if flag is None else ours
-        fs, fbusy, _ = timeline(jax.jit(fn), (q, k, v))
-        bs, bbusy, top = timeline(fb(fn), (q, k, v, w))
-        print(f"== {spec} {name}: fwd span {fs:.1f} busy {fbusy:.1f} | fwd+bwd span {bs:.1f} busy {bbusy:.1f} us", flush=True)
-        for n, du in top: print(f"     {du/10/1e3:7.1f} {n}")
+        fwd_span, fwd_busy, _ = timeline(jax.jit(fn), (q, k, v))
+        both_span, both_busy, top = timeline(with_grad(fn), (q, k, v, w))
+        print(f"== {spec} {name}: fwd span {fwd_span:.1f} busy {fwd_busy:.1f} | fwd+bwd "
+              f"span {both_span:.1f} busy {both_busy:.1f} us", flush=True)
+        for kernel, us, _ in top:
+            print(f"     {us:7.1f} {kernel}")
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:]:
+        profile(spec)
