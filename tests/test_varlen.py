@@ -53,15 +53,20 @@ def _per_sequence(q, k, v, cu_q, cu_kv, **options):
     rows_q = np.minimum(cu_q[:-1, None] + np.arange(mq), q.shape[0] - 1)
     rows_kv = np.minimum(cu_kv[:-1, None] + np.arange(mk), k.shape[0] - 1)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    out, aux = ax.attention(f32(q)[rows_q], f32(k)[rows_kv], f32(v)[rows_kv],
-                            q_seqlens=q_len, kv_seqlens=kv_len, backend="reference", **options)
     seq = np.searchsorted(cu_q[1:], np.arange(q.shape[0]), side="right")
     covered = seq < len(q_len)
     seq = np.minimum(seq, len(q_len) - 1)
     pos = np.clip(np.arange(q.shape[0]) - cu_q[seq], 0, mq - 1)
-    out = jnp.where(covered[:, None, None], out[seq, pos], 0.0)
-    lse = jnp.where(covered[None], aux.lse[seq, :, pos].T, -jnp.inf)
-    return out, lse
+
+    @jax.jit  # (compiled, forward and gradient: op by op the reference took seconds a call)
+    def run(q, k, v):
+        out, aux = ax.attention(q[rows_q], k[rows_kv], v[rows_kv], q_seqlens=q_len,
+                                kv_seqlens=kv_len, backend="reference", **options)
+        out = jnp.where(covered[:, None, None], out[seq, pos], 0.0)
+        lse = jnp.where(covered[None], aux.lse[seq, :, pos].T, -jnp.inf)
+        return out, lse
+
+    return run(f32(q), f32(k), f32(v))
 
 
 def _compare(out, aux, want_out, want_lse, tol):
