@@ -12,7 +12,12 @@ segments differ; `probs` still writes the zeros of P there, which batched does n
 with cu_seqlens; on CPU it gathers them per sequence and runs the batched kernels, or, where
 `max_seqlen` would pad to many times the tokens, lays them out in one packed row).
 `--max-seqlen tokens` gives varlen the number of tokens as `max_seqlen` (the bound a jitted
-caller knows without reading the lengths) instead of the longest document."""
+caller knows without reading the lengths) instead of the longest document.
+
+XLA beside them (`flash` rows, T <= `--xla-max-length`, 4096 by default: XLA materialises the
+`[*, 8, T, T]` scores): `jax.nn.dot_product_attention(..., implementation="xla")` on the packed
+row with the segment ids as a dense `[1, 1, T, T]` mask (`xla packed`), and on the documents as
+a batch (`xla batched`); the table's last columns give attnaux's packed time over each."""
 
 import argparse
 import time
@@ -33,6 +38,11 @@ def best(fn, *args, repeats):
     return min(times)
 
 
+def _lse_sum(aux):
+    """The loss's lse term (XLA's attention returns no lse: none)."""
+    return 0.0 if aux.lse is None else jnp.sum(aux.lse)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 16384])
@@ -41,14 +51,16 @@ def main() -> None:
     parser.add_argument("--probs-max-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-seqlen", choices=("longest", "tokens"), default="longest")
+    parser.add_argument("--xla-max-length", type=int, default=4096)
     args = parser.parse_args()
     h, d = 8, 64
     print(f"attnaux {ax.__version__}, JAX {jax.__version__}, float32, heads {h} x dim {d}, "
           f"varlen's max_seqlen: {args.max_seqlen}\n")
     print("| backend | T | docs | causal | packed fwd ms | batched fwd ms | packed / batched "
           "| varlen / batched | packed fwd+bwd ms | batched fwd+bwd ms | packed / batched "
-          "| varlen / batched |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| varlen / batched | packed / xla packed fwd, fwd+bwd | packed / xla batched fwd, "
+          "fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for total in args.lengths:
         keys = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(key, (1, total, h, d)) for key in keys)
@@ -79,19 +91,40 @@ def main() -> None:
                             **options)
                         return out, aux
 
+                    def xla_packed(q, k, v, seg=seg, causal=causal):
+                        mask = seg[:, None, :, None] == seg[:, None, None, :]
+                        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                                           implementation="xla")
+                        return out, ax.AttnAux(lse=None, max=None)
+
+                    def xla_batched(q, k, v, docs=docs, causal=causal, total=total):
+                        shape = (docs, total // docs, h, d)
+                        out = jax.nn.dot_product_attention(
+                            q.reshape(shape), k.reshape(shape), v.reshape(shape),
+                            is_causal=causal, implementation="xla")
+                        return out, ax.AttnAux(lse=None, max=None)
+
+                    candidates = [packed, batched, varlen]
+                    with_xla = backend == "flash" and total <= args.xla_max_length
+                    if with_xla:
+                        candidates += [xla_packed, xla_batched]
                     row = []
-                    for fn in (packed, batched, varlen):
+                    for fn in candidates:
                         # The forward returns P too (probs), so that it is computed and written.
                         fwd = jax.jit(lambda q, k, v, fn=fn: (fn(q, k, v)[0], fn(q, k, v)[1].probs))
                         grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)[0])
-                                                + jnp.sum(fn(q, k, v)[1].lse), argnums=(0, 1, 2)))
+                                                + _lse_sum(fn(q, k, v)[1]), argnums=(0, 1, 2)))
                         row.append((best(fwd, q, k, v, repeats=args.repeats),
                                     best(grad, q, k, v, repeats=args.repeats)))
-                    (pf, pb), (bf, bb), (vf, vb) = row
+                    (pf, pb), (bf, bb), (vf, vb) = row[:3]
+                    xla = "- | - |"
+                    if with_xla:
+                        (xf, xb), (yf, yb) = row[3:]
+                        xla = f"{pf / xf:.2f}, {pb / xb:.2f} | {pf / yf:.2f}, {pb / yb:.2f} |"
                     print(f"| {backend} | {total} | {docs} | {'yes' if causal else 'no'} | "
                           f"{pf * 1e3:.1f} | {bf * 1e3:.1f} | {pf / bf:.2f} | {vf / bf:.2f} | "
-                          f"{pb * 1e3:.1f} | {bb * 1e3:.1f} | {pb / bb:.2f} | {vb / bb:.2f} |",
-                          flush=True)
+                          f"{pb * 1e3:.1f} | {bb * 1e3:.1f} | {pb / bb:.2f} | {vb / bb:.2f} | "
+                          + xla, flush=True)
 
 
 if __name__ == "__main__":
