@@ -582,10 +582,10 @@ def _emulated_cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side)
                                                   jnp.where(jnp.isfinite(lse), dlse, 0.0))))
 
 
-@pytest.mark.parametrize("options, with_sink", [(dict(causal=True), True),
-                                                (dict(causal="bottom_right"), True),
-                                                (dict(window=(6, 2)), False), (dict(), False)],
-                         ids=str)
+@pytest.mark.parametrize("options, with_sink", [
+    (dict(causal=True), True), (dict(window=(6, 2)), False),
+    pytest.param(dict(causal="bottom_right"), True, marks=pytest.mark.slow),
+    pytest.param(dict(), False, marks=pytest.mark.slow)], ids=str)
 def test_the_cuda_both_mode_wraps_the_kernels(monkeypatch, options, with_sink):
     """`varlen_attention`'s mode `cuda-cuda` (attnaux's CUDA kernels both ways, the default on
     a Hopper GPU at head dim 128) end to end on the CPU: the kernels' pure-JAX stand-ins
