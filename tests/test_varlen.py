@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import attnaux as ax
-from attnaux import _dispatch, _ffi, _hopper_packed, introspect
+from attnaux import _dispatch, _ffi, _hopper_packed, _masking, introspect
 
 GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU (cuDNN's packed layout)")
@@ -532,15 +532,9 @@ def _emulated_cuda_forward(cfg, q, k, v, q_offsets, kv_offsets, with_stats=False
     (sequence i: tokens from its offset, `min(span, max_seqlen_*)` of them; rules of
     `_masking.visibility`, bottom-right per sequence): `(out, lse, max, None)` of the packed
     tokens `[1, T, H, D]` / `[1, Hq, Tq]`, out 0 and lse = max = -inf on rows that see no key."""
-    def packing(offsets, tokens, most):
-        t = jnp.arange(tokens)
-        n = offsets.shape[0] - 1
-        seq = jnp.searchsorted(offsets, t, side="right") - 1
-        inside = (seq >= 0) & (seq < n)
-        seq = jnp.clip(seq, 0, n - 1)
-        pos = t - offsets[seq]
+    def packing(offsets, tokens, most):  # (each token's sequence, position, covered; lengths)
         lengths = jnp.minimum(jnp.diff(offsets), most)
-        return seq, pos, inside & (pos < lengths[seq]), lengths
+        return (*_masking.token_rows(offsets, lengths, tokens), lengths)
 
     qs, qp, q_in, q_len = packing(q_offsets, q.shape[1], cfg.max_seqlen_q)
     ks, kp, k_in, k_len = packing(kv_offsets, k.shape[1], cfg.max_seqlen_kv)
