@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     q_base = block[3 * stride];
     q_len = block[4 * stride];  // 0 for a run without queries
     const int seq = block[5 * stride];
-    tile = BwdTile{(kv_len + N - 1) / N - 1 - last_first, blockIdx.x % p.kv_heads, 0};
+    tile = BwdTile{(kv_len + N - 1) / N - 1 - last_first, int(blockIdx.x) % p.kv_heads, 0};
     offset = p.offset + (p.bottom_right ? kv_len - q_len : 0);
     dq_base = seq >= 0 ? p.tile_base[seq] : 0;
   } else {

@@ -375,7 +375,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrQ = wg_qk.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K, BUFFER)
   Tensor tSrK = wg_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, STAGE)
   Tensor tOrVt = wg_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, STAGE)
-  Tensor tOsQ = mma_pv.get_thread_slice(tid).partition_C(sQ);  // (MMA, MMA_M, MMA_N, BUFFER)
 
   // ping-pong: the warpgroups take turns issuing their products (named barriers 4 and 5,
   // each met by the 128 threads of its warpgroup waiting and the other's 128 arriving), so
@@ -606,14 +605,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int wg_thread = tid % 128;
     const int rows_out = kPacked ? min(q_len - r0, 64) : 64;
     if (n_blocks > 0) {
-      Tensor tOsO = tOsQ(_, _, _, q_buf);
+      // into shared memory by stmatrix (8 a thread; as the backward's dK and dV): pair by pair
+      // the swizzled addresses took ptxas ~390 instructions a tile, most of a key block's worth
+      auto o_store = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_pv);
+      auto thr_o_store = o_store.get_thread_slice(tid);
+      Tensor rO = make_tensor_like<T>(tOrO);
       CUTE_UNROLL
-      for (int x = 0; x < size(tOrO); x += 2) {  // values x, x + 1: adjacent columns
-        T pair[2] = {static_cast<T>(tOrO(x)), static_cast<T>(tOrO(x + 1))};
-        uint32_t bits;
-        memcpy(&bits, pair, sizeof(bits));
-        StoreShared32(&tOsO(x), bits);
-      }
+      for (int x = 0; x < size(tOrO); ++x) rO(x) = static_cast<T>(tOrO(x));
+      Tensor sO = make_tensor(make_smem_ptr(shared.q + q_buf * (M * D)),
+                              typename Traits::SmemLayoutQ{});
+      copy(o_store, thr_o_store.retile_S(rO),
+           thr_o_store.partition_D(as_position_independent_swizzle_tensor(sO)));
       asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
       CUTE_UNROLL
       for (int chunk = wg_thread; chunk < 64 * kChunks; chunk += 128) {
