@@ -23,6 +23,13 @@
 // buffer and writes 16-byte rows; lse and max go out from the registers.
 #pragma once
 
+// wgmma's N sizes other than 256, 192, 128, 96, 64, 32, 16 and 8 (160, 176 and 80 among them:
+// FlashAttention-3's key blocks at head dims 128 and 256): without this CuTe's selector builds
+// S = Q K^T of such a block from N = 16 or 32 atoms, 11 wgmma where one does
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
 #include <cute/tensor.hpp>
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90.hpp>
@@ -697,13 +704,22 @@ cudaError_t LaunchFwdTraits(const FwdParams& p, cudaStream_t stream) {
 // - head dims 64 and 128: 128 keys, two Q buffers (64: 192 keys measured 0.88-1.05x);
 // - head dim 256: 64 keys, one Q buffer (a second does not fit); FlashAttention-3's 80 keys
 //   measured 0.67-0.78x (ptxas spills there: 224 bytes against 184 at 64).
-// Against the 128 keys at head dim 128: 160 keys (two Q buffers) measured 0.69-0.86x, FA3's
-// 176 (one) 0.61-0.72x, both spilling beside S, P and O in a consumer thread's 240 registers.
+// Against the 128 keys at head dim 128, FA3's 176 (one Q buffer) with its 64x176 wgmma
+// (H200, 2026-11-28 fifth session): 1.00-1.01x at 1x8192x16 without a mask, 0.77-0.96x at
+// 8x1024, 4x2048 causal and 1x8192 causal. (The seventh session's 160 and 176 keys at 128 and 80 at 256 ran on wgmma of
+// N = 32 or 16, before CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED above: not FA3's tiles.)
 // `_flash_hopper.CUDA_FORWARD_KEYS` repeats these key blocks for the tile lists' cost model.
+#ifndef ATTNAUX_FWD_128_KEYS  // development builds of other tiles (tools/gpu_dev/README.md)
+#define ATTNAUX_FWD_128_KEYS 128
+#define ATTNAUX_FWD_128_QBUFFERS 2
+#endif
 template <class T, bool kPacked>
 cudaError_t LaunchFwd(const FwdParams& p, int dim, cudaStream_t stream) {
   if (dim == 64) return LaunchFwdTraits<FwdTraits<T, 64, 128, 2>, kPacked>(p, stream);
-  if (dim == 128) return LaunchFwdTraits<FwdTraits<T, 128, 128, 2>, kPacked>(p, stream);
+  if (dim == 128) {
+    return LaunchFwdTraits<FwdTraits<T, 128, ATTNAUX_FWD_128_KEYS, ATTNAUX_FWD_128_QBUFFERS>,
+                           kPacked>(p, stream);
+  }
   return LaunchFwdTraits<FwdTraits<T, 256, 64, 1>, kPacked>(p, stream);
 }
 
