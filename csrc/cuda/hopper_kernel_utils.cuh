@@ -106,11 +106,6 @@ __device__ __forceinline__ void BulkWait() {
 
 // Shared-memory accesses by address (st.shared / ld.shared), for pointers into CuTe's smem
 // tensors, whose element references the compiler otherwise reads and writes generically
-__device__ __forceinline__ void StoreShared32(const void* smem, uint32_t value) {
-  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
-}
-
 __device__ __forceinline__ void StoreShared128Zero(const void* smem) {
   const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
