@@ -705,12 +705,16 @@ cudaError_t LaunchFwdTraits(const FwdParams& p, cudaStream_t stream) {
 // - head dim 256: 64 keys, one Q buffer (a second does not fit); FlashAttention-3's 80 keys
 //   measured 0.67-0.78x (ptxas spills there: 224 bytes against 184 at 64).
 // Against the 128 keys at head dim 128, FA3's 176 (one Q buffer) with its 64x176 wgmma
-// (H200, 2026-11-28 fifth session): 1.00-1.01x at 1x8192x16 without a mask, 0.77-0.96x at
-// 8x1024, 4x2048 causal and 1x8192 causal. (The seventh session's 160 and 176 keys at 128 and 80 at 256 ran on wgmma of
-// N = 32 or 16, before CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED above: not FA3's tiles.)
+// (H200, 2026-11-28 twenty-first session): 1.00-1.01x at 1x8192x16 without a mask, 0.77-0.96x
+// at 8x1024, 4x2048 causal and 1x8192 causal. (The seventh session's 160 and 176 keys at 128,
+// and the 80 at 256 above, ran on wgmma of N = 32 or 16, before
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED above: not FA3's tiles.)
 // `_flash_hopper.CUDA_FORWARD_KEYS` repeats these key blocks for the tile lists' cost model.
-#ifndef ATTNAUX_FWD_128_KEYS  // development builds of other tiles (tools/gpu_dev/README.md)
+// Development builds of other tiles at head dim 128 (tools/gpu_dev/README.md):
+#ifndef ATTNAUX_FWD_128_KEYS
 #define ATTNAUX_FWD_128_KEYS 128
+#endif
+#ifndef ATTNAUX_FWD_128_QBUFFERS
 #define ATTNAUX_FWD_128_QBUFFERS 2
 #endif
 template <class T, bool kPacked>
