@@ -475,6 +475,39 @@ def test_gpu_cuda_backward_parity(options, heads):
 
 
 @gpu_only
+@pytest.mark.parametrize("with_lse", [True, False], ids=["lse_term", "no_lse_term"])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(32, 0))], ids=str)
+def test_gpu_cuda_backward_shared_offsets(options, with_lse):
+    """Self-attention over packed tokens (one offsets array, padding tokens holding NaN) on
+    attnaux's CUDA kernels both ways: the backward takes the forward's block table and dQ tile
+    bases (no table kernel of its own) and, without an lse term in the loss, no lse cotangent;
+    the gradients against the per-sequence reference (float32 on the inputs with NaN made 0,
+    6e-2) and zero for the padding tokens."""
+    if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_BACKWARD_TARGET, "gpu"):
+        pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
+    q, k, v, cu, _ = _nan_padded(GPU_Q_LENS, GPU_Q_LENS, heads=(8, 2), dims=(128, 128),
+                                 extra=(9, 9), dtype=jnp.bfloat16)
+    args = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=257, max_seqlen_kv=257,
+                backend="flash", **options)
+
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu, cu, **options)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    with _varlen_flags(False, True, cuda_backward=True):
+        assert CUDA_BOTH in ax.explain(q, k, v, **args).packed
+        fn = lambda q, k, v: ax.varlen_attention(q, k, v, **args)  # noqa: E731
+        got = jax.jit(jax.grad(_loss_fn(fn, with_lse), argnums=(0, 1, 2)))(q, k, v)
+    clean = tuple(jnp.nan_to_num(x).astype(jnp.float32) for x in (q, k, v))
+    want = jax.grad(_loss_fn(ref, with_lse), argnums=(0, 1, 2))(*clean)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        g = np.asarray(g, np.float32)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, atol=6e-2, rtol=6e-2, err_msg=f"d{name}")
+        assert not g[sum(GPU_Q_LENS):].any(), f"d{name} in the padding"
+
+
+@gpu_only
 @pytest.mark.parametrize("options", [dict(causal=True), dict()], ids=str)
 def test_gpu_cuda_backward_nan_in_one_sequence(options):
     """A NaN stored in the first token of a sequence (q, k and v) reaches no other sequence's
@@ -565,12 +598,26 @@ def _emulated_cuda_forward(cfg, q, k, v, q_offsets, kv_offsets, with_stats=False
     return out[None].astype(q.dtype), lse[None], row_max[None], None
 
 
-def _emulated_cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side):
+def _emulated_cuda_forward_with_work(cfg, q, k, v, q_offsets, kv_offsets, with_work):
+    """`_hopper_packed.cuda_forward_with_work`'s stand-in: `_emulated_cuda_forward`'s, no work
+    buffer (records whether one was asked for)."""
+    _WORK_ASKED.append(with_work)
+    return (*_emulated_cuda_forward(cfg, q, k, v, q_offsets, kv_offsets)[:3], None)
+
+
+_WORK_ASKED = []
+
+
+def _emulated_cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_offsets, kv_offsets,
+                            work=None):
     """What `_hopper_packed.cuda_backward` computes: the gradients of the emulated forward's out
-    and lse for the cotangents `dout` and `dlse` (zero for the rows that see no key)."""
+    and lse for the cotangents `dout` and `dlse` (None: zero; zero for the rows that see no
+    key)."""
     def run(q, k, v):
-        o, lse_, _, _ = _emulated_cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
+        o, lse_, _, _ = _emulated_cuda_forward(cfg, q, k, v, q_offsets, kv_offsets)
         return o.astype(jnp.float32), lse_
+    if dlse is None:
+        dlse = jnp.zeros_like(lse)
     _, pull = jax.vjp(run, q, k, v)
     return tuple(g.astype(q.dtype) for g in pull((dout.astype(jnp.float32),
                                                   jnp.where(jnp.isfinite(lse), dlse, 0.0))))
@@ -599,9 +646,11 @@ def test_the_cuda_both_mode_wraps_the_kernels(monkeypatch, options, with_sink):
         return problem, choice, "cuda-cuda", explanation, sides
 
     monkeypatch.setattr(_varlen, "_plan", plan)
-    monkeypatch.setattr(_hopper_packed, "cuda_forward", _emulated_cuda_forward)
+    monkeypatch.setattr(_hopper_packed, "cuda_forward_with_work",
+                        _emulated_cuda_forward_with_work)
     monkeypatch.setattr(_hopper_packed, "cuda_backward", _emulated_cuda_backward)
     jax.clear_caches()
+    _WORK_ASKED.clear()
     q, k, v, cu_q, cu_kv = _nan_padded(Q_LENS, KV_LENS, heads=(4, 2), dims=(16, 16))
     sink = jnp.asarray([0.5, -1.0, 0.0, 2.0]) if with_sink else None
     args = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=max(Q_LENS),
@@ -621,6 +670,7 @@ def test_the_cuda_both_mode_wraps_the_kernels(monkeypatch, options, with_sink):
     finally:
         jax.clear_caches()
     assert modes  # the plan ran (and its mode was replaced)
+    assert _WORK_ASKED and not any(_WORK_ASKED)  # (two sides' offsets: no table to share)
     clean = tuple(jnp.nan_to_num(x) for x in (q, k, v))
     want_out, want_lse = _per_sequence(*clean, cu_q, cu_kv, sink=sink, **options)
     _compare(out, aux, want_out, want_lse, 2e-5)
@@ -632,6 +682,59 @@ def test_the_cuda_both_mode_wraps_the_kernels(monkeypatch, options, with_sink):
         assert np.isfinite(g).all(), name
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"d{name}")
         assert not g[(nq if name == "q" else nk):].any(), f"d{name} in the padding"
+
+
+@pytest.mark.parametrize("with_lse", [True, False], ids=["lse_term", "no_lse_term"])
+def test_the_cuda_both_mode_shares_the_forward_work(monkeypatch, with_lse):
+    """Mode `cuda-cuda` with one offsets array both sides (self-attention): the custom VJP asks
+    the forward for its work buffer (block table, dQ tile bases) only when differentiated, and
+    hands it and a None lse cotangent (a loss without an lse term) to the backward; out and the
+    gradients as the per-sequence reference's (float32, 2e-5). The kernels: pure-JAX stand-ins
+    as in `test_the_cuda_both_mode_wraps_the_kernels`."""
+    from attnaux import _varlen
+
+    planned = _varlen._plan
+
+    def plan(*args, **kwargs):
+        problem, choice, _, explanation, sides = planned(*args, **kwargs)
+        return problem, choice, "cuda-cuda", explanation, sides
+
+    monkeypatch.setattr(_varlen, "_plan", plan)
+    monkeypatch.setattr(_hopper_packed, "cuda_forward_with_work",
+                        _emulated_cuda_forward_with_work)
+    dlses = []
+
+    def backward(*args):
+        dlses.append(args[7])
+        return _emulated_cuda_backward(*args)
+
+    monkeypatch.setattr(_hopper_packed, "cuda_backward", backward)
+    jax.clear_caches()
+    _WORK_ASKED.clear()
+    q, k, v, cu, _ = _nan_padded(Q_LENS, Q_LENS, heads=(4, 2), dims=(16, 16), extra=(3, 3))
+    args = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(Q_LENS),
+                max_seqlen_kv=max(Q_LENS), causal=True)
+
+    def fn(q, k, v):
+        return ax.varlen_attention(q, k, v, **args)
+
+    def ref(q, k, v):
+        out, lse = _per_sequence(q, k, v, cu, cu, causal=True)
+        return out, ax.AttnAux(lse=lse, max=lse)
+
+    try:
+        jax.jit(fn)(q, k, v)
+        assert _WORK_ASKED == [False]  # (not differentiated: no work buffer kept)
+        got = jax.jit(jax.grad(_loss_fn(fn, with_lse), argnums=(0, 1, 2)))(q, k, v)
+    finally:
+        jax.clear_caches()
+    assert _WORK_ASKED[1:] == [True]
+    assert (dlses[0] is None) == (not with_lse)
+    clean = tuple(jnp.nan_to_num(x) for x in (q, k, v))
+    want = jax.grad(_loss_fn(ref, with_lse), argnums=(0, 1, 2))(*clean)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, atol=2e-5, rtol=2e-5, err_msg=f"d{name}")
+        assert not np.asarray(g)[sum(Q_LENS):].any(), f"d{name} in the padding"
 
 
 def test_which_way_gpu_flash_serves_packed_tokens(monkeypatch):
@@ -756,9 +859,11 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
     back from its work buffer: every 128-row block of every run once (each sequence's tokens up
     to `max_seqlen_q` with its keys; its tokens past that, and the tokens past the last
     sequence, without keys), the sequences with the most blocks first and the runs without keys
-    last, each run's blocks together, its last first; -1 after the last block. The rows of the
-    runs without keys (NaN in q there) come out 0 with lse = max = -inf; the statistics per
-    sequence for cuDNN's backward are the lse of the sequence's rows, +inf where it is -inf."""
+    last, each run's blocks together, its last first; -1 after the last block. After it in the
+    buffer (`PackedWork`), for the packed backward: each sequence's first dQ tile of 64 rows and
+    each tile's sequence (-1 past the last). The rows of the runs without keys (NaN in q there)
+    come out 0 with lse = max = -inf; the statistics per sequence for cuDNN's backward are the
+    lse of the sequence's rows, +inf where it is -inf."""
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens = np.asarray(q_lens, np.int32)
@@ -780,7 +885,7 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
         _hopper_packed.CUDA_FORWARD_TARGET, (
             jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats,
             jax.ShapeDtypeStruct((n, 2, max_q), jnp.float32),
-            jax.ShapeDtypeStruct((6 * count + 2 * n + 2,), jnp.int32)))(
+            _hopper_packed._work_shape(total_q, total_q, n)))(
         q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), grid=np.int64(8),
         block_count=np.int64(count), max_seqlen_q=np.int64(max_q),
         max_seqlen_kv=np.int64(max_kv), scale=np.float32(0.125), bottom_right=np.int32(0),
@@ -802,6 +907,15 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
         at += blocks
     assert not by_start and at == used  # every run once
     assert buckets == sorted(buckets, reverse=True)  # most blocks first, keyless runs last
+    # the dQ tiles: [6 count][2 n + 1 runs' entries][n + 1 tile bases][counter][tile's sequence]
+    tiles = -(-np.minimum(np.diff(cu_q), max_q) // 64)
+    base = np.concatenate([[0], np.cumsum(tiles)])
+    words = np.asarray(work)
+    np.testing.assert_array_equal(words[6 * count + 2 * n + 1:][:n + 1], base)
+    tile_seq = words[6 * count + 3 * n + 3:]
+    assert tile_seq.shape == (total_q // 64 + n + 1,)
+    np.testing.assert_array_equal(tile_seq[:base[-1]], np.repeat(np.arange(n), tiles))
+    assert (tile_seq[base[-1]:] == -1).all()
     assert not np.asarray(out[0, keyless], np.float32).any()
     assert np.isneginf(np.asarray(lse[0][:, keyless])).all()
     assert np.isneginf(np.asarray(row_max[0][:, keyless])).all()

@@ -2,9 +2,11 @@
 // (cuda/hopper_bwd_kernel.cuh) over packed sequences: q, k, v, out and dout as one row of tokens
 // each, every sequence attending within itself (its own causal alignment and window). Called
 // by `_hopper_packed.cuda_backward` (`varlen_attention`) with the sequences' token offsets, the
-// forward's out and lse per token and their cotangents. Three kernels: the key side's block
-// table from the offsets (hopper_fwd_packed_table.cuh, the forward's table built from the key
-// offsets: each run of keys in 128-key blocks, with its sequence's query span), the first pass
+// forward's out and lse per token and their cotangents. Four kernels: the key side's block
+// table and the sequences' dQ tile bases from the offsets (hopper_fwd_packed_table.cuh, the
+// forward's table built from the key offsets: each run of keys in 128-key blocks, with its
+// sequence's query span; skipped when the call passes the forward's work buffer, which holds
+// both for self-attention), the first pass
 // (hopper_bwd_preprocess.cuh: the rows' statistics, dQ's sums zeroed, dq's rows that no sequence
 // covers zeroed), the main kernel (a CTA per key block of a run and kv head, adding into each
 // sequence's dQ tiles of 64 rows from its `tile_base` on), and the last pass
@@ -41,13 +43,12 @@ using attnaux::SameDims;
 constexpr const char* kTarget = "attnaux_hopper_bwd_packed";
 
 template <class Traits>
-cudaError_t LaunchPacked(const BwdParams& p, const PackedTableParams& table,
+cudaError_t LaunchPacked(const BwdParams& p, const PackedTableParams* table,
                          cudaStream_t stream) {
-  PackedTableKernel<<<1, kTableThreads, 0, stream>>>(table);
-  // (its CTAs past dq's tiles zero dq's rows that no sequence covers, 64 tokens each)
-  const int token_tiles = (p.q_seq + kPreprocessRows - 1) / kPreprocessRows;
+  // (no table kernel when the forward's work buffer holds the table: `table` null)
+  if (table != nullptr) PackedTableKernel<<<1, kTableThreads, 0, stream>>>(*table);
   HopperBwdPreprocess<typename Traits::Element, Traits::kHeadDim, true>
-      <<<dim3(p.dq_tiles + token_tiles, p.q_heads, 1), kPreprocessThreads, 0, stream>>>(p);
+      <<<dim3(p.dq_tiles, p.q_heads, 1), kPreprocessThreads, 0, stream>>>(p);
   auto kernel = HopperBwdKernel<Traits, true>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
@@ -65,7 +66,7 @@ ffi::Error HopperBwdPackedImpl(
     cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_offsets,
-    ffi::Buffer<ffi::S32> kv_offsets, ffi::Buffer<ffi::S32> tile_base, int64_t block_count,
+    ffi::Buffer<ffi::S32> kv_offsets, ffi::Buffer<ffi::S32> forward_work, int64_t block_count,
     int64_t max_seqlen_q, int64_t max_seqlen_kv, float scale, int32_t bottom_right,
     int32_t has_upper, int64_t upper, int32_t has_lower, int64_t lower,
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -104,30 +105,32 @@ ffi::Error HopperBwdPackedImpl(
                                     ") must be a multiple of kv_heads (" +
                                     std::to_string(kv_heads) + ").");
   }
+  // dlse [1, q_heads, 0]: no lse cotangent (a symbolic zero: no zeros built and read)
+  const bool with_dlse = !SameDims(dlse.dimensions(), {1, q_heads, 0});
   if (!SameDims(lse.dimensions(), {1, q_heads, total_q}) ||
-      !SameDims(dlse.dimensions(), {1, q_heads, total_q})) {
-    return AttnInvalid(kTarget, "lse and dlse must be [1, q_heads, q_tokens] = [1, " +
+      (with_dlse && !SameDims(dlse.dimensions(), {1, q_heads, total_q}))) {
+    return AttnInvalid(kTarget, "lse must be [1, q_heads, q_tokens] = [1, " +
                                     std::to_string(q_heads) + ", " + std::to_string(total_q) +
-                                    "], got " + BracketShape(lse.dimensions()) + " and " +
+                                    "] and dlse that or [1, q_heads, 0] (none), got " +
+                                    BracketShape(lse.dimensions()) + " and " +
                                     BracketShape(dlse.dimensions()) + ".");
   }
   const auto od = q_offsets.dimensions();
   const int64_t num_seqs = od.size() == 1 ? od[0] - 1 : -1;
-  if (num_seqs < 0 || !SameDims(kv_offsets.dimensions(), {num_seqs + 1}) ||
-      !SameDims(tile_base.dimensions(), {num_seqs + 1})) {
-    return AttnInvalid(kTarget, "q_offsets, kv_offsets and tile_base must be int32 [num_seqs "
-                                "+ 1], got " + BracketShape(od) + ", " +
-                                    BracketShape(kv_offsets.dimensions()) + " and " +
-                                    BracketShape(tile_base.dimensions()) + ".");
+  if (num_seqs < 0 || !SameDims(kv_offsets.dimensions(), {num_seqs + 1})) {
+    return AttnInvalid(kTarget, "q_offsets and kv_offsets must be int32 [num_seqs + 1], got " +
+                                    BracketShape(od) + " and " +
+                                    BracketShape(kv_offsets.dimensions()) + ".");
   }
   // dq_accum: [q_heads, dq_tiles, 2, 32 dim], dq_tiles a bound on the sequences' 64-row tiles
   const auto dqd = dq_accum->dimensions();
   const int64_t dq_tiles = dqd.size() == 4 ? dqd[1] : -1;
-  if (dq_tiles < total_q / 64 + num_seqs ||
+  // (PackedDqTiles: the first pass's CTAs, one a dQ tile, also reach every 64 tokens)
+  if (dq_tiles < PackedDqTiles(total_q, num_seqs) ||
       !SameDims(dqd, {q_heads, dq_tiles, 2, 32 * dim})) {
     return AttnInvalid(kTarget, "dq_accum must be float32 [q_heads, dq_tiles, 2, 32 dim] with "
-                                "dq_tiles >= q_tokens / 64 + num_seqs = " +
-                                    std::to_string(total_q / 64 + num_seqs) + ", got " +
+                                "dq_tiles >= q_tokens / 64 + num_seqs + 1 = " +
+                                    std::to_string(total_q / 64 + num_seqs + 1) + ", got " +
                                     BracketShape(dqd) + ".");
   }
   const int64_t stats_seq = 64 * dq_tiles;  // the statistics by dQ tile, as dq_accum
@@ -137,16 +140,33 @@ ffi::Error HopperBwdPackedImpl(
                                     std::to_string(stats_seq) + "], got " +
                                     BracketShape(stats->dimensions()) + ".");
   }
-  // work: the key side's block table [6, block_count], each run's first entry [2 num_seqs + 1],
-  // the table kernel's tile counter (unused here)
-  const int64_t work_size = 6 * block_count + 2 * num_seqs + 2;
+  // work: the key side's block table, each run's first entry, the dQ tile bases, the table
+  // kernel's tile counter (unused here): PackedWork. `forward_work`: [0] (build them in work),
+  // or the packed forward's work buffer of a call whose two sides have the same offsets, token
+  // count and max_seqlen, whose table is this one (the forward's rows are the queries, the
+  // backward's the keys) and whose tile bases are the queries': then no table kernel runs.
+  const PackedWork layout{block_count, num_seqs, dq_tiles};
+  const int64_t work_size = layout.size();
+  const bool forward_table = !attnaux::Absent(forward_work.dimensions());
   if (block_count < total_kv / 128 + 2 * num_seqs + 1 ||
-      !SameDims(work->dimensions(), {work_size})) {
+      !SameDims(work->dimensions(), {work_size}) ||
+      (forward_table && !SameDims(forward_work.dimensions(), {work_size}))) {
     return AttnInvalid(kTarget, "block_count must be at least kv_tokens / 128 + 2 num_seqs + 1 "
                                 "= " + std::to_string(total_kv / 128 + 2 * num_seqs + 1) +
-                                    " and work int32 [6 block_count + 2 num_seqs + 2], got "
-                                    "block_count " + std::to_string(block_count) + " and work " +
-                                    BracketShape(work->dimensions()) + ".");
+                                    " and work (and forward_work, unless [0]) int32 [6 "
+                                    "block_count + 3 num_seqs + 3 + dq_tiles], got "
+                                    "block_count " +
+                                    std::to_string(block_count) + ", work " +
+                                    BracketShape(work->dimensions()) + " and forward_work " +
+                                    BracketShape(forward_work.dimensions()) + ".");
+  }
+  if (forward_table && (total_q != total_kv || max_seqlen_q != max_seqlen_kv)) {
+    return AttnInvalid(kTarget, "a forward's work buffer (forward_work not [0]) needs the same "
+                                "token count and max_seqlen on both sides, got q_tokens " +
+                                    std::to_string(total_q) + ", kv_tokens " +
+                                    std::to_string(total_kv) + ", max_seqlen_q " +
+                                    std::to_string(max_seqlen_q) + ", max_seqlen_kv " +
+                                    std::to_string(max_seqlen_kv) + ".");
   }
   if (q_heads > 65535 || total_q > (1 << 30) || total_kv > (1 << 30) ||
       block_count * kv_heads > INT32_MAX || 64 * dq_tiles > INT32_MAX ||
@@ -165,7 +185,7 @@ ffi::Error HopperBwdPackedImpl(
   p.out = out.untyped_data();
   p.dout = dout.untyped_data();
   p.lse = lse.typed_data();
-  p.dlse = dlse.typed_data();
+  p.dlse = with_dlse ? dlse.typed_data() : nullptr;
   p.stats = stats->typed_data();
   p.dq_accum = dq_accum->typed_data();
   p.dq = dq->untyped_data();
@@ -181,9 +201,11 @@ ffi::Error HopperBwdPackedImpl(
   p.num_seqs = int(num_seqs);
   p.max_seqlen_q = int(max_seqlen_q);
   int* const work_data = work->typed_data();
-  p.blocks = work_data;
+  int* const tables = forward_table ? const_cast<int*>(forward_work.typed_data()) : work_data;
+  p.blocks = tables;
   p.block_count = int(block_count);
-  p.tile_base = tile_base.typed_data();
+  p.tile_base = tables + layout.tile_base();
+  p.tile_seq = tables + layout.tile_seq();
   p.bottom_right = bottom_right != 0;
   if (q_heads == 0) return ffi::Error::Success();  // (every array empty)
   if (total_q == 0) {  // no query: dK and dV are 0 (dq is empty)
@@ -206,13 +228,22 @@ ffi::Error HopperBwdPackedImpl(
   table.max_seqlen_kv = int(max_seqlen_q);
   table.blocks = work_data;
   table.block_count = int(block_count);
-  table.run_start = work_data + 6 * block_count;
-  table.tile_counter = work_data + work_size - 1;
+  table.run_start = work_data + layout.run_start();
+  table.tile_counter = work_data + layout.tile_counter();
+  table.tile_base = work_data + layout.tile_base();
+  table.tile_seq = work_data + layout.tile_seq();
+  table.tile_offsets = q_offsets.typed_data();
+  table.tile_max_len = int(max_seqlen_q);
+  table.dq_tiles = int(dq_tiles);
   static_assert(kTableRows == BwdTraits<cutlass::bfloat16_t, 128>::kBlockN,
                 "the table's blocks are the kernel's key blocks");
+  static_assert(kDqTileRows == BwdTraits<cutlass::bfloat16_t, 128>::kBlockM &&
+                    kDqTileRows == kPreprocessRows,
+                "the tile bases count the kernel's query tiles");
+  const PackedTableParams* own = forward_table ? nullptr : &table;
   const cudaError_t err =
-      dtype == ffi::BF16 ? LaunchPacked<BwdTraits<cutlass::bfloat16_t, 128>>(p, table, stream)
-                         : LaunchPacked<BwdTraits<cutlass::half_t, 128>>(p, table, stream);
+      dtype == ffi::BF16 ? LaunchPacked<BwdTraits<cutlass::bfloat16_t, 128>>(p, own, stream)
+                         : LaunchPacked<BwdTraits<cutlass::half_t, 128>>(p, own, stream);
   return CudaResult(kTarget, err);
 }
 
@@ -231,7 +262,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperBwdPackedCuda, attnaux_hopper::Hopper
                                   .Arg<ffi::Buffer<ffi::F32>>()    // dlse
                                   .Arg<ffi::Buffer<ffi::S32>>()    // q_offsets [n + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_offsets [n + 1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // tile_base [n + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // forward_work: [0] or the fwd's
                                   .Attr<int64_t>("block_count")
                                   .Attr<int64_t>("max_seqlen_q")
                                   .Attr<int64_t>("max_seqlen_kv")
@@ -246,5 +277,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperBwdPackedCuda, attnaux_hopper::Hopper
                                   .Ret<ffi::AnyBuffer>()           // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum [Hq,tiles,2,32D]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // stats [1,Hq,2,64 tiles] (work)
-                                  .Ret<ffi::Buffer<ffi::S32>>(),   // work (the key-side table)
+                                  .Ret<ffi::Buffer<ffi::S32>>(),   // work (PackedWork)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -48,6 +48,9 @@ struct BwdParams : HopperGeometry {
   const int* blocks;
   int block_count;
   const int* tile_base;
+  // each dQ tile's sequence [dq_tiles] (-1 past the last sequence's tiles): the first and last
+  // passes find a tile's rows with one load rather than a search of tile_base
+  const int* tile_seq;
   bool bottom_right;
   // the query offsets [num_seqs + 1] and the bound on a sequence's queries (the first pass
   // finds each dQ tile's rows from them)

@@ -33,17 +33,26 @@ __global__ void __launch_bounds__(kPostprocessThreads)
   constexpr int kStride = kHeadDim + 16 / sizeof(T);
   __shared__ __align__(16) T tile[kPreprocessRows * kStride];
   const int m = blockIdx.x, h = blockIdx.y;
-  if (m >= p.tile_base[p.num_seqs]) return;  // past the sequences' tiles
-  const int2 at = TileSequence(p, m);
-  const int q_len = min(p.q_offsets[at.x + 1] - p.q_offsets[at.x], p.max_seqlen_q);
-  const int first_row = p.q_offsets[at.x] + at.y * kPreprocessRows;
-  const int rows = min(q_len - at.y * kPreprocessRows, kPreprocessRows);
+  // the tile's sums first, into registers (every tile below dq_tiles has them), so that their
+  // loads overlap the lookup of the tile's rows
+  constexpr int kLoads = kPreprocessRows * kHeadDim / 4 / kPostprocessThreads;
+  static_assert(kLoads * 4 * kPostprocessThreads == kPreprocessRows * kHeadDim);
   const float4* sums = reinterpret_cast<const float4*>(
       p.dq_accum + (int64_t(h) * p.dq_tiles + m) * (kPreprocessRows * kHeadDim));
+  float4 loaded[kLoads];
+  CUTE_UNROLL
+  for (int l = 0; l < kLoads; ++l) loaded[l] = sums[threadIdx.x + l * kPostprocessThreads];
+  const int seq = p.tile_seq[m];
+  if (seq < 0) return;  // past the sequences' tiles
+  const int start = p.q_offsets[seq], in_seq = m - p.tile_base[seq];
+  const int q_len = min(p.q_offsets[seq + 1] - start, p.max_seqlen_q);
+  const int first_row = start + in_seq * kPreprocessRows;
+  const int rows = min(q_len - in_seq * kPreprocessRows, kPreprocessRows);
   using Pair = typename cutlass::Array<T, 2>;
   CUTE_UNROLL
-  for (int i = threadIdx.x; i < kPreprocessRows * kHeadDim / 4; i += kPostprocessThreads) {
-    const float4 four = sums[i];
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kPostprocessThreads;
+    const float4 four = loaded[l];
     const int wg = (4 * i) / (kPreprocessRows * kHalf);
     const int in_wg = (4 * i) % (kPreprocessRows * kHalf);
     const int t2 = in_wg / (16 * kHalf), v2 = (in_wg % (16 * kHalf)) / 128;

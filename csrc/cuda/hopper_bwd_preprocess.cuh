@@ -17,16 +17,8 @@ namespace attnaux_hopper {
 constexpr int kPreprocessRows = 64;      // a CTA's query rows: one query tile of the main kernel
 constexpr int kPreprocessThreads = 256;
 
-// Grid (p.dq_tiles, q_heads, batch), packed (p.dq_tiles + tiles of 64 tokens, q_heads, 1): CTA m <
-// dq_tiles writes the statistics of query tile m (rows past its sequence's end: lse +inf and row
-// term 0, seen by no key) and zeroes its dQ sums; packed, each further CTA zeroes dq's rows of
-// its 64 tokens that no sequence covers (the last pass writes the others). Tile m holds
-// rows [64 m, 64 m + 64) of its batch row (dense), or (kPacked) rows [64 j, 64 j + 64) of the
-// sequence i whose tiles `tile_base[i] <= m < tile_base[i + 1]` hold it, j = m - tile_base[i]
-// (its rows are tokens offsets[i] + 64 j + r). A row of O and dO (D 16-bit values, 2 D bytes)
-// is read by D / 8 threads, 16 bytes each, and summed across them by shuffles.
 // The last i in [0, count) with starts[i] <= value (0 if none), starts non-decreasing: with a
-// sequence's first token (or dQ tile) as starts, the sequence holding `value` if any does (an
+// sequence's first token as starts, the sequence holding `value` if any does (an
 // empty sequence shares its start with the next, which the search passes on to).
 __device__ __forceinline__ int LastAtMost(const int* starts, int count, int value) {
   int lo = 0, hi = count - 1;
@@ -45,12 +37,33 @@ __device__ __forceinline__ bool TokenCovered(const BwdParams& p, int row) {
   return row >= start && row - start < min(p.q_offsets[seq + 1] - start, p.max_seqlen_q);
 }
 
-// Packed: the sequence holding dQ tile m (m < tile_base[num_seqs]) and the tile's index in it.
-__device__ __forceinline__ int2 TileSequence(const BwdParams& p, int m) {
-  const int seq = LastAtMost(p.tile_base, p.num_seqs, m);
-  return make_int2(seq, m - p.tile_base[seq]);
+// Packed: dq's rows among tokens [64 m, 64 m + 64) that no sequence covers, zeroed; a row of
+// kHeadDim 16-bit values by kHeadDim / 8 threads, 16 bytes each.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void ZeroUncoveredRows(const BwdParams& p, int m, int h) {
+  constexpr int kChunks = kHeadDim / 8, kRowsAPass = kPreprocessThreads / kChunks;
+  const int token = m * kPreprocessRows + int(threadIdx.x) / kChunks;
+  const int chunk = int(threadIdx.x) % kChunks;
+  CUTE_UNROLL
+  for (int pass = 0; pass < kPreprocessRows / kRowsAPass; ++pass) {
+    const int row = token + pass * kRowsAPass;
+    if (row < p.q_seq && !TokenCovered(p, row)) {
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) +
+                                (int64_t(row) * p.q_heads + h) * kHeadDim + chunk * 8) =
+          make_uint4(0, 0, 0, 0);
+    }
+  }
 }
 
+// Grid (p.dq_tiles, q_heads, batch): CTA m writes the statistics of query tile m (rows past its
+// sequence's end: lse +inf and row term 0, seen by no key) and zeroes its dQ sums; packed, it
+// also zeroes dq's rows among tokens [64 m, 64 m + 64) that no sequence covers (the last pass
+// writes the others; dq_tiles >= q_seq / 64 + 1 CTAs reach every token), and the CTAs of the
+// tiles past the sequences' last (`tile_seq[m]` -1, a bound's slack), which no kernel reads,
+// do only that. Tile m holds rows [64 m, 64 m + 64) of its batch row (dense), or (kPacked) rows
+// [64 j, 64 j + 64) of sequence i = tile_seq[m], j = m - tile_base[i] (its rows are tokens
+// offsets[i] + 64 j + r). A row of O and dO (D 16-bit values, 2 D bytes) is read by D / 8
+// threads, 16 bytes each, and summed across them by shuffles.
 template <class T, int kHeadDim, bool kPacked>
 __global__ void __launch_bounds__(kPreprocessThreads)
     HopperBwdPreprocess(const __grid_constant__ BwdParams p) {
@@ -61,31 +74,17 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int t = threadIdx.x, chunk = t % kChunks;
   __shared__ float row_dot[kPreprocessRows];
-  if constexpr (kPacked) {
-    if (m >= p.dq_tiles) {  // a tile of 64 tokens: dq's rows that no sequence covers, zeroed
-      const int token = (m - p.dq_tiles) * kPreprocessRows + t / kChunks;
-      CUTE_UNROLL
-      for (int pass = 0; pass < kPreprocessRows / kRowsAPass; ++pass) {
-        const int row = token + pass * kRowsAPass;
-        if (row < p.q_seq && !TokenCovered(p, row)) {
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) +
-                                    (int64_t(row) * p.q_heads + h) * kHeadDim + chunk * 8) =
-              make_uint4(0, 0, 0, 0);
-        }
-      }
-      return;
-    }
-  }
-
   int first_row = m * kPreprocessRows, rows = kPreprocessRows;  // this tile's token rows
   if constexpr (kPacked) {
-    rows = 0;
-    if (m < p.tile_base[p.num_seqs]) {
-      const int2 at = TileSequence(p, m);
-      const int q_len = min(p.q_offsets[at.x + 1] - p.q_offsets[at.x], p.max_seqlen_q);
-      first_row = p.q_offsets[at.x] + at.y * kPreprocessRows;
-      rows = min(q_len - at.y * kPreprocessRows, kPreprocessRows);
+    const int seq = p.tile_seq[m];
+    if (seq < 0) {  // (uniform in the CTA: before any barrier)
+      ZeroUncoveredRows<T, kHeadDim>(p, m, h);
+      return;
     }
+    const int start = p.q_offsets[seq], in_seq = m - p.tile_base[seq];
+    const int q_len = min(p.q_offsets[seq + 1] - start, p.max_seqlen_q);
+    first_row = start + in_seq * kPreprocessRows;
+    rows = min(q_len - in_seq * kPreprocessRows, kPreprocessRows);
   }
   const int64_t row_stride = int64_t(p.q_heads) * kHeadDim;
   const int64_t first = (int64_t(b) * p.q_seq + first_row) * row_stride +
@@ -118,7 +117,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       const float lse = p.lse[at];
       // lse in log2 units, +inf for a row that sees no key (lse -inf), so that P = 0 there
       stats[0] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
-      stats[p.stats_seq] = row_dot[t] - p.dlse[at];
+      stats[p.stats_seq] = row_dot[t] - (p.dlse != nullptr ? p.dlse[at] : 0.0f);
     } else {
       stats[0] = INFINITY;
       stats[p.stats_seq] = 0.0f;
@@ -132,6 +131,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   for (int i = t; i < kPreprocessRows * kHeadDim / 4; i += kPreprocessThreads) {
     dq[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+  // (last: its searches of the offsets wait on loads, which the passes above need not)
+  if constexpr (kPacked) ZeroUncoveredRows<T, kHeadDim>(p, m, h);
 }
 
 }  // namespace attnaux_hopper

@@ -66,11 +66,13 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                     BracketShape(od) + " and " +
                                     BracketShape(kv_offsets.dimensions()) + ".");
   }
-  // work: the block table [6, block_count], each run's first entry [2 num_seqs + 1], the tile
-  // counter
-  const int64_t work_size = 6 * block_count + 2 * num_seqs + 2;
+  // work: the block table, the runs' first entries, the dQ tile bases (which the packed
+  // backward reads when it takes this buffer), the tile counter (PackedWork)
+  const PackedWork layout{block_count, num_seqs, PackedDqTiles(total_q, num_seqs)};
+  const int64_t work_size = layout.size();
   if (block_count < 1 || !SameDims(work->dimensions(), {work_size})) {
-    return AttnInvalid(kTarget, "work must be int32 [6 block_count + 2 num_seqs + 2] = [" +
+    return AttnInvalid(kTarget, "work must be int32 [6 block_count + 4 num_seqs + 4 + "
+                                "q_tokens / 64] = [" +
                                     std::to_string(work_size) + "] with block_count >= 1, got " +
                                     BracketShape(work->dimensions()) + ".");
   }
@@ -112,7 +114,7 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   p.blocks = work_data;
   p.block_count = int(block_count);
   p.bottom_right = bottom_right != 0;
-  p.tile_counter = work_data + work_size - 1;
+  p.tile_counter = work_data + layout.tile_counter();
   p.grid = int(grid);
   p.stats = with_stats ? stats->typed_data() : nullptr;
   p.stats_rows = int(max_seqlen_q);
@@ -127,8 +129,13 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   table.max_seqlen_kv = int(max_seqlen_kv);
   table.blocks = work_data;
   table.block_count = int(block_count);
-  table.run_start = work_data + 6 * block_count;
+  table.run_start = work_data + layout.run_start();
   table.tile_counter = p.tile_counter;
+  table.tile_base = work_data + layout.tile_base();
+  table.tile_seq = work_data + layout.tile_seq();
+  table.tile_offsets = q_offsets.typed_data();
+  table.tile_max_len = int(max_seqlen_q);
+  table.dq_tiles = int(layout.dq_tiles);
   PackedTableKernel<<<1, kTableThreads, 0, stream>>>(table);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaResult(kTarget, err);
@@ -162,5 +169,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperFwdPackedCuda, attnaux_hopper::Hopper
                                   .Ret<ffi::Buffer<ffi::F32>>()    // lse [1, Hq, Tq]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // max [1, Hq, Tq]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // stats [n, Hq, max_q] or [0]
-                                  .Ret<ffi::Buffer<ffi::S32>>(),   // work (table, counter)
+                                  .Ret<ffi::Buffer<ffi::S32>>(),   // work (PackedWork)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -15,9 +15,19 @@
 // a bucket), each sequence's last block first (under a causal mask its heaviest), the runs
 // without keys last; entries past the last block hold m_block -1. The order within a bucket follows the CTA's atomics: it changes which CTA takes
 // which tile, never a result (no tile reads another's output).
+//
+// With `tile_base` set, the same CTA also writes the packed backward's dQ tile bases: the
+// 64-row tiles of each sequence's first min(span, tile_max_len) queries of `tile_offsets`,
+// prefix-summed (tile_base[i]: the tiles of the sequences before i; [n + 1] entries), and each
+// tile's sequence (`tile_seq`, [dq_tiles], -1 past the last sequence's tiles). Built here
+// rather than by XLA (a cumsum and a concatenate: two more launches before the backward), and
+// by the forward too, so that a self-attention backward reuses the forward's work buffer whole
+// and launches no table kernel of its own (`PackedWork`).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
+
+#include <cstdint>
 
 namespace attnaux_hopper {
 
@@ -29,11 +39,35 @@ struct PackedTableParams {
   int block_count;
   int* run_start;  // [2 * num_seqs + 1] scratch: each run's first entry
   int* tile_counter;
+  int* tile_base;  // [num_seqs + 1] or null: the dQ tile bases of `tile_offsets`' sequences
+  int* tile_seq;   // [dq_tiles]: each dQ tile's sequence (with tile_base)
+  const int* tile_offsets;
+  int tile_max_len, dq_tiles;
 };
+
+// The int32 work buffer of the packed handlers (hopper_fwd_packed.cu, hopper_bwd_packed.cu),
+// one layout for both, so the backward can take the forward's: the table [6, block_count], each
+// run's first entry [2 n + 1], the dQ tile bases [n + 1], the forward's tile counter [1], each
+// dQ tile's sequence [dq_tiles] (dq_tiles = q_tokens / 64 + n + 1: PackedDqTiles).
+struct PackedWork {
+  int64_t block_count, num_seqs, dq_tiles;
+  int64_t run_start() const { return 6 * block_count; }
+  int64_t tile_base() const { return run_start() + 2 * num_seqs + 1; }
+  int64_t tile_counter() const { return tile_base() + num_seqs + 1; }
+  int64_t tile_seq() const { return tile_counter() + 1; }
+  int64_t size() const { return tile_seq() + dq_tiles; }
+};
+
+// A bound on the sequences' dQ tiles of 64 rows: each at most one more than its whole tiles,
+// and at least one a 64 tokens (the backward's first pass zeroes dq's uncovered rows by them).
+inline int64_t PackedDqTiles(int64_t q_tokens, int64_t num_seqs) {
+  return q_tokens / 64 + num_seqs + 1;
+}
 
 constexpr int kTableThreads = 1024;
 constexpr int kTableBuckets = 2048;  // (2 per thread in the scan)
 constexpr int kTableRows = 128;      // the forward's query block (FwdTraits' M)
+constexpr int kDqTileRows = 64;      // the backward's query tile (BwdTraits' M)
 
 // Run r of the call: r < n sequence r's tokens with keys; n <= r < 2n sequence r - n's tokens
 // past max_seqlen_q; 2n the tokens past the last sequence.
@@ -122,6 +156,29 @@ static __global__ void __launch_bounds__(kTableThreads) PackedTableKernel(Packed
     }
   }
   for (int g = used + tid; g < t.block_count; g += kTableThreads) t.blocks[g] = -1;
+  if (t.tile_base == nullptr) return;  // (uniform: every thread returns)
+  // the dQ tile bases, kTableThreads sequences a scan, carried across scans
+  int carry = 0;
+  for (int i0 = 0; i0 <= t.num_seqs; i0 += kTableThreads) {
+    const int i = i0 + tid;
+    int tiles = 0;
+    if (i < t.num_seqs) {
+      const int span = t.tile_offsets[i + 1] - t.tile_offsets[i];
+      tiles = (max(min(span, t.tile_max_len), 0) + kDqTileRows - 1) / kDqTileRows;
+    }
+    __syncthreads();  // (scan_storage: the previous scan's readers are done)
+    int before, total;
+    Scan(scan_storage).ExclusiveSum(tiles, before, total);
+    if (i <= t.num_seqs) t.tile_base[i] = carry + before;
+    carry += total;
+  }
+  __syncthreads();  // (tile_base, written above: visible to this CTA after the barrier)
+  // each tile's sequence, a warp a sequence; the tiles past the last sequence's: -1
+  for (int i = warp; i < t.num_seqs; i += kTableThreads / 32) {
+    const int first = t.tile_base[i], end = min(t.tile_base[i + 1], t.dq_tiles);
+    for (int m = first + lane; m < end; m += 32) t.tile_seq[m] = i;
+  }
+  for (int m = carry + tid; m < t.dq_tiles; m += kTableThreads) t.tile_seq[m] = -1;
 }
 
 }  // namespace attnaux_hopper

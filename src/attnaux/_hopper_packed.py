@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _flash_hopper as hopper
 from ._canon import Canonical, Options, Problem
-from ._kernel_call import SHARED, KernelOp, add_sink
+from ._kernel_call import SHARED, KernelOp, add_sink, compiled_vjp
 from ._masking import diagonal_shift
 from ._partition import (
     BATCH,
@@ -438,6 +438,7 @@ _CUDA_LAYOUTS = {
     "v": ("one", "kv_tokens", KV_HEADS, "v_dim"), "out": ("one", "q_tokens", HEADS, "v_dim"),
     "lse": ("one", HEADS, "q_tokens"), "max": ("one", HEADS, "q_tokens"),
     "stats": ("seqs", HEADS, "q_seq"), "q_offsets": ("bounds",), "kv_offsets": ("bounds",),
+    "work": ("work_words",),
 }
 
 
@@ -486,14 +487,28 @@ def cuda_forward(cfg, q, k, v, q_offsets, kv_offsets, with_stats: bool = False):
     `max_seqlen_q`, past the last sequence) and the rows that see no key get out 0 and
     lse = max = -inf. `with_stats`: `stats` is the lse per sequence as cuDNN's ragged backward
     takes it, `[n, Hq, max_seqlen_q]`, +inf where a row sees no key (None without)."""
+    r = _cuda_forward_results(cfg, q, k, v, q_offsets, kv_offsets, with_stats, False)
+    return r["out"], r["lse"], r["max"], r.get("stats")
+
+
+def cuda_forward_with_work(cfg, q, k, v, q_offsets, kv_offsets, with_work: bool):
+    """`(out, lse, max, work)`: `cuda_forward`'s, with the kernel's work buffer when asked
+    (`with_work`, else None): its block table and dQ tile bases, which `cuda_backward` takes in
+    place of building its own when both sides have the same offsets (`PackedWork` in
+    csrc/cuda/hopper_fwd_packed_table.cuh)."""
+    r = _cuda_forward_results(cfg, q, k, v, q_offsets, kv_offsets, False, with_work)
+    return r["out"], r["lse"], r["max"], r.get("work")
+
+
+def _cuda_forward_results(cfg, q, k, v, q_offsets, kv_offsets, with_stats: bool,
+                          with_work: bool) -> dict:
     op = _cuda_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
                   int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv),
-                  bool(with_stats))
+                  bool(with_stats), bool(with_work))
     # (the keys past a sequence's end in its last key block, the next sequence's or padding,
     # have their V rows zeroed by the kernel, as 0 * NaN is NaN in the tensor cores: no
     # pass over V here)
-    r = op(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets)
-    return r["out"], r["lse"], r["max"], r.get("stats")
+    return op(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets)
 
 
 def cuda_varlen(q, k, v, q_offsets, kv_offsets, q_info, kv_info, cfg, options: Options):
@@ -556,7 +571,7 @@ def _cuda_attrs(scale: float, causal: int, window_left: int, window_right: int, 
 
 @functools.cache
 def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max_q: int,
-             max_kv: int, with_stats: bool):
+             max_kv: int, with_stats: bool, with_work: bool = False):
     attrs = _cuda_attrs(scale, causal, window_left, window_right, max_q, max_kv)
 
     def shapes(ops):
@@ -565,34 +580,51 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
         per_sequence = jax.ShapeDtypeStruct(
             (ops["q_offsets"].shape[0] - 1, q.shape[2], max_q) if with_stats else (0,),
             jnp.float32)
-        return (jax.ShapeDtypeStruct(q.shape, q.dtype), rows, rows, per_sequence)
+        work = _work_shape(q.shape[1], q.shape[1], ops["q_offsets"].shape[0] - 1)
+        return (jax.ShapeDtypeStruct(q.shape, q.dtype), rows, rows, per_sequence, work)
 
     def kernel(q, k, v, q_offsets, kv_offsets):
         # (the block table is built on the device from the offsets, by the handler's first
         # kernel: csrc/cuda/hopper_fwd_packed_table.cuh)
-        n = q_offsets.shape[0] - 1
-        blocks = cuda_block_count(q.shape[1], n)
+        blocks = cuda_block_count(q.shape[1], q_offsets.shape[0] - 1)
         grid = max(1, min(hopper._sm_count(), blocks * q.shape[2]))
-        work = jax.ShapeDtypeStruct((6 * blocks + 2 * n + 2,), jnp.int32)
-        out, lse, row_max, stats, _ = jax.ffi.ffi_call(
-            CUDA_FORWARD_TARGET, (*shapes(dict(q=q, q_offsets=q_offsets)), work))(
+        out, lse, row_max, stats, work = jax.ffi.ffi_call(
+            CUDA_FORWARD_TARGET, shapes(dict(q=q, q_offsets=q_offsets)))(
             q, k, v, q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32),
             grid=np.int64(grid), block_count=np.int64(blocks), max_seqlen_q=np.int64(max_q),
             max_seqlen_kv=np.int64(max_kv), **attrs)
-        return (out, lse, row_max, stats) if with_stats else (out, lse, row_max)
+        return (out, lse, row_max) + ((stats,) if with_stats else ()) + (
+            (work,) if with_work else ())
 
     names = ("q", "k", "v", "q_offsets", "kv_offsets")
-    results = ("out", "lse", "max", "stats") if with_stats else ("out", "lse", "max")
+    results = ("out", "lse", "max") + (("stats",) if with_stats else ()) + (
+        ("work",) if with_work else ())
+    keep = (0, 1, 2) + ((3,) if with_stats else ()) + ((4,) if with_work else ())
     return KernelOp(CUDA_FORWARD_TARGET, tuple((name, SHARED) for name in names), results,
-                    lambda ops: shapes(ops)[:len(results)], {}, kernel=kernel, sequential=True,
-                    layout=lambda name, shape: _CUDA_LAYOUTS[name])
+                    lambda ops: tuple(shapes(ops)[i] for i in keep), {}, kernel=kernel,
+                    sequential=True, layout=lambda name, shape: _CUDA_LAYOUTS[name])
+
+
+def _work_shape(block_tokens: int, q_tokens: int, num_seqs: int) -> jax.ShapeDtypeStruct:
+    """The packed handlers' int32 work buffer (`PackedWork`): the block table of `block_tokens`
+    rows (the forward's queries, the backward's keys), the runs' first entries, the dQ tile
+    bases, a tile counter, each dQ tile's sequence (`_dq_tiles` of them)."""
+    size = (6 * cuda_block_count(block_tokens, num_seqs) + 3 * num_seqs + 3
+            + _dq_tiles(q_tokens, num_seqs))
+    return jax.ShapeDtypeStruct((size,), jnp.int32)
+
+
+def _dq_tiles(q_tokens: int, num_seqs: int) -> int:
+    """A bound on the sequences' 64-row dQ tiles (`PackedDqTiles`): each at most one more than
+    its whole tiles, and one at least a 64 tokens."""
+    return q_tokens // hopper.BLOCK_Q + num_seqs + 1
 
 
 # ---- the CUDA C++ backward over packed sequences (csrc/cuda/hopper_bwd_packed.cu)
 CUDA_BACKWARD_TARGET = "attnaux_hopper_bwd_packed"
 _CUDA_BACKWARD_LAYOUTS = {
     **_CUDA_LAYOUTS, "dout": ("one", "q_tokens", HEADS, "v_dim"),
-    "dlse": ("one", HEADS, "q_tokens"), "tile_base": ("bounds",),
+    "dlse": ("one", HEADS, "q_tokens"), "forward_work": ("work_words",),
     "dq": ("one", "q_tokens", HEADS, "qk_dim"),
     "dk": ("one", "kv_tokens", KV_HEADS, "qk_dim"), "dv": ("one", "kv_tokens", KV_HEADS, "v_dim"),
 }
@@ -618,52 +650,62 @@ def cuda_backward_unavailable(q, k, v, options: Options) -> str | None:
     return None
 
 
-def cuda_varlen_both(cfg, q, k, v, q_side, kv_side):
+def cuda_varlen_both(cfg, q, k, v, q_side, kv_side, shared_offsets: bool = False):
     """`(out [Tq, Hq, D], lse [Hq, Tq], max [Hq, Tq])` of `varlen_attention`'s packed tokens on
     attnaux's CUDA C++ kernels both ways: the forward (`cuda_forward`) and its own backward
     over the packed tokens (`cuda_backward`), neither padding nor gathering a token.
     `q_side`, `kv_side`: `_varlen`'s packings (offsets, lengths, each token's sequence and
     position, covered); `cfg` and availability as for `cuda_forward` and
-    `cuda_backward_unavailable`. The rows no sequence covers get out 0, lse = max = -inf and
-    zero gradients."""
-    out, lse, row_max = _cuda_both(cfg, q[None], k[None], v[None], q_side, kv_side)
+    `cuda_backward_unavailable`. `shared_offsets`: both sides have the same offsets (one
+    array: self-attention), so that the backward takes the forward's block table and dQ tile
+    bases when the token counts and `max_seqlen_*` agree too. The rows no sequence covers get
+    out 0, lse = max = -inf and zero gradients."""
+    reuse = (shared_offsets and q.shape[0] == k.shape[0]
+             and int(cfg.max_seqlen_q) == int(cfg.max_seqlen_kv))
+    out, lse, row_max = _cuda_both((cfg, reuse), q[None], k[None], v[None], q_side.offsets,
+                                   kv_side.offsets)
     return out[0], lse[0], row_max[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cuda_both(cfg, q, k, v, q_side, kv_side):
-    out, lse, row_max, _ = cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
-    return out, lse, row_max
+def _cuda_both_forward(static, differentiating, q, k, v, q_offsets, kv_offsets):
+    cfg, reuse = static
+    out, lse, row_max, work = cuda_forward_with_work(cfg, q, k, v, q_offsets, kv_offsets,
+                                                     differentiating and reuse)
+    return (out, lse, row_max), (q, k, v, q_offsets, kv_offsets, out, lse, work)
 
 
-def _cuda_both_fwd(cfg, q, k, v, q_side, kv_side):
-    out, lse, row_max, _ = cuda_forward(cfg, q, k, v, q_side.offsets, kv_side.offsets)
-    return (out, lse, row_max), (q, k, v, q_side, kv_side, out, lse)
-
-
-def _cuda_both_bwd(cfg, saved, cotangents):
-    q, k, v, q_side, kv_side, out, lse = saved
-    dout, dlse, _ = cotangents  # the row max has no gradient
+def _cuda_both_backward(static, saved, cotangents):
+    cfg, _ = static
+    q, k, v, q_offsets, kv_offsets, out, lse, work = saved
+    dout, dlse, _ = cotangents  # the row max has no gradient; None: a symbolic zero
+    if dout is None:  # (only lse is differentiated)
+        dout = jnp.zeros(out.shape, q.dtype)
     dq, dk, dv = cuda_backward(cfg, q, k, v, out, lse, dout.astype(q.dtype),
-                               dlse.astype(jnp.float32), q_side, kv_side)
+                               None if dlse is None else dlse.astype(jnp.float32), q_offsets,
+                               kv_offsets, work)
     return dq, dk, dv, None, None
 
 
-_cuda_both.defvjp(_cuda_both_fwd, _cuda_both_bwd)
+# (symbolic zeros: no dense lse cotangent is built when the loss does not read lse)
+_cuda_both = compiled_vjp(_cuda_both_forward, _cuda_both_backward)
 
 
-def cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_side, kv_side):
+def cuda_backward(cfg, q, k, v, out, lse, dout, dlse, q_offsets, kv_offsets, work=None):
     """`(dq, dk, dv)` of packed sequences (q, k, v, out, dout `[1, tokens, heads, dim]`; lse,
-    dlse `[1, Hq, Tq]`) on attnaux's CUDA C++ backward: each sequence's query tiles of 64 rows
-    get dQ sums of their own (from `tile_base`, the tiles of the sequences before), which the
-    handler's last pass writes to the tokens' rows (0 for the tokens no sequence covers)."""
-    tiles = (q_side.lengths + hopper.BLOCK_Q - 1) // hopper.BLOCK_Q
-    tile_base = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                 jnp.cumsum(tiles, dtype=jnp.int32)])
+    dlse `[1, Hq, Tq]`, dlse None for none) on attnaux's CUDA C++ backward: each sequence's
+    query tiles of 64 rows get dQ sums of their own, which the handler's last pass writes to
+    the tokens' rows (0 for the tokens no sequence covers). `work`: the packed forward's work
+    buffer (`cuda_forward_with_work`) of a call with the same offsets, token count and
+    `max_seqlen` both sides, whose block table and tile bases the backward then takes, or None
+    (the handler's first kernel builds them)."""
     op = _cuda_backward_op(float(cfg.scale), int(cfg.causal), int(cfg.window_left),
                            int(cfg.window_right), int(cfg.max_seqlen_q), int(cfg.max_seqlen_kv))
-    r = op(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse,
-           q_offsets=q_side.offsets, kv_offsets=kv_side.offsets, tile_base=tile_base)
+    if dlse is None:
+        dlse = jnp.zeros((1, q.shape[2], 0), jnp.float32)
+    if work is None:
+        work = jnp.zeros((0,), jnp.int32)
+    r = op(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse, q_offsets=q_offsets,
+           kv_offsets=kv_offsets, forward_work=work)
     return r["dq"], r["dk"], r["dv"]
 
 
@@ -673,35 +715,30 @@ def _cuda_backward_op(scale: float, causal: int, window_left: int, window_right:
     attrs = _cuda_attrs(scale, causal, window_left, window_right, max_q, max_kv)
     attrs.update(max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
 
-    def dq_tiles(q, q_offsets):
-        # a bound on the sequences' 64-row tiles: each at most one more than its whole tiles
-        return q.shape[1] // hopper.BLOCK_Q + q_offsets.shape[0]
-
     def shapes(ops):
         q, k = ops["q"], ops["k"]
         return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(k.shape, k.dtype))
 
-    def kernel(q, k, v, out, dout, lse, dlse, q_offsets, kv_offsets, tile_base):
-        # (the key side's block table is built on the device from the offsets, by the
-        # handler's first kernel; the dQ sums, the rows' statistics and the table are work
-        # buffers)
+    def kernel(q, k, v, out, dout, lse, dlse, q_offsets, kv_offsets, forward_work):
+        # (the key side's block table and the dQ tile bases are built on the device from the
+        # offsets by the handler's first kernel, or taken from `forward_work`; the dQ sums,
+        # the rows' statistics and the table are work buffers)
         n = q_offsets.shape[0] - 1
-        blocks = cuda_block_count(k.shape[1], n)
-        tiles = dq_tiles(q, q_offsets)
+        tiles = _dq_tiles(q.shape[1], n)
         work = (jax.ShapeDtypeStruct((q.shape[2], tiles, 2, hopper.BLOCK_Q * q.shape[3] // 2),
                                      jnp.float32),
                 jax.ShapeDtypeStruct((1, q.shape[2], 2, 64 * tiles), jnp.float32),
-                jax.ShapeDtypeStruct((6 * blocks + 2 * n + 2,), jnp.int32))
+                _work_shape(k.shape[1], q.shape[1], n))
         dq, dk, dv, *_ = jax.ffi.ffi_call(
             CUDA_BACKWARD_TARGET, (*shapes(dict(q=q, k=k)), *work))(
             q, k, v, out, dout, lse, dlse, q_offsets.astype(jnp.int32),
-            kv_offsets.astype(jnp.int32), tile_base.astype(jnp.int32),
-            block_count=np.int64(blocks), **attrs)
+            kv_offsets.astype(jnp.int32), forward_work.astype(jnp.int32),
+            block_count=np.int64(cuda_block_count(k.shape[1], n)), **attrs)
         return dq, dk, dv
 
     names = ("q", "k", "v", "out", "dout", "lse", "dlse", "q_offsets", "kv_offsets",
-             "tile_base")
+             "forward_work")
     return KernelOp(CUDA_BACKWARD_TARGET, tuple((name, SHARED) for name in names),
                     ("dq", "dk", "dv"), shapes, {}, kernel=kernel, sequential=True,
                     layout=lambda name, shape: _CUDA_BACKWARD_LAYOUTS[name])

@@ -379,7 +379,7 @@ def _varlen_jit(q, k, v, cu_q, cu_kv, sink, key, *, statics, max_seqlen_q, max_s
         if mode == "cuda-cuda":
             out, lse_pad, max_pad = _hopper_packed.cuda_varlen_both(
                 _flash_cudnn.ragged_config(options, max_seqlen_q, max_seqlen_kv), q, k, v, pq,
-                pk)
+                pk, shared_offsets)
         elif mode == "cuda-hopper":
             q_info, kv_info = _hopper_packed.varlen_infos(
                 pq.seq, pq.pos, pq.covered, pk.seq, pk.pos, pk.covered, pq.lengths,
