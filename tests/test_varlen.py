@@ -889,7 +889,8 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
         q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), grid=np.int64(8),
         block_count=np.int64(count), max_seqlen_q=np.int64(max_q),
         max_seqlen_kv=np.int64(max_kv), scale=np.float32(0.125), bottom_right=np.int32(0),
-        has_upper=np.int32(0), upper=np.int64(0), has_lower=np.int32(0), lower=np.int64(0))
+        has_upper=np.int32(0), upper=np.int64(0), has_lower=np.int32(0), lower=np.int64(0),
+        backward_tiles=np.int32(1))
     table = np.asarray(work)[:6 * count].reshape(6, count)
     used = sum(run[-1] for run in runs)
     assert (table[0, used:] == -1).all()

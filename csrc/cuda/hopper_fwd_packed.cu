@@ -40,7 +40,7 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::Buffer<ffi::S32> kv_offsets, int64_t grid,
                                int64_t block_count, int64_t max_seqlen_q, int64_t max_seqlen_kv,
                                float scale, int32_t bottom_right, int32_t has_upper, int64_t upper,
-                               int32_t has_lower, int64_t lower,
+                               int32_t has_lower, int64_t lower, int32_t backward_tiles,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                ffi::Result<ffi::Buffer<ffi::F32>> row_max,
@@ -131,7 +131,9 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   table.block_count = int(block_count);
   table.run_start = work_data + layout.run_start();
   table.tile_counter = p.tile_counter;
-  table.tile_base = work_data + layout.tile_base();
+  // (the backward's dQ tiles only when asked: the packed backward reads them from this buffer;
+  // a forward alone leaves them unwritten and its table kernel ~0.6 us shorter)
+  table.tile_base = backward_tiles != 0 ? work_data + layout.tile_base() : nullptr;
   table.tile_seq = work_data + layout.tile_seq();
   table.tile_offsets = q_offsets.typed_data();
   table.tile_max_len = int(max_seqlen_q);
@@ -165,6 +167,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnauxHopperFwdPackedCuda, attnaux_hopper::Hopper
                                   .Attr<int64_t>("upper")
                                   .Attr<int32_t>("has_lower")
                                   .Attr<int64_t>("lower")
+                                  .Attr<int32_t>("backward_tiles")
                                   .Ret<ffi::AnyBuffer>()           // out [1, Tq, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // lse [1, Hq, Tq]
                                   .Ret<ffi::Buffer<ffi::F32>>()    // max [1, Hq, Tq]

@@ -592,7 +592,7 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
             CUDA_FORWARD_TARGET, shapes(dict(q=q, q_offsets=q_offsets)))(
             q, k, v, q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32),
             grid=np.int64(grid), block_count=np.int64(blocks), max_seqlen_q=np.int64(max_q),
-            max_seqlen_kv=np.int64(max_kv), **attrs)
+            max_seqlen_kv=np.int64(max_kv), backward_tiles=np.int32(with_work), **attrs)
         return (out, lse, row_max) + ((stats,) if with_stats else ()) + (
             (work,) if with_work else ())
 
