@@ -268,6 +268,20 @@ def test_heads(hq, hkv, dtype):
     check_parity(q, k, v, opts)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("opts", [
+    dict(causal=True), dict(window=(70, 5), kv_seqlens="rand"),
+    dict(causal="bottom_right", segments=3), dict(mask="BHQK", q_seqlens="edges")], ids=str)
+def test_bfloat16_head_dims(dim, opts):
+    """bfloat16 at head dims 64 and 128: where the CPU has AMX, the forward's two products run on
+    its tiles (cpu_gemm.h, AmxGemm64: keys in whole tiles of 16 and 32, zero-padded), else on
+    VDPBF16PS or in float32; key counts that end inside a tile, windows and segments that start
+    a tile's keys inside a block, GQA. Parity with the reference within `check_parity`'s
+    bfloat16 tolerances (out, lse, max and the gradients)."""
+    q, k, v, opts = build(dim + len(opts), (2,), 150, 203, 4, 2, dim, dim, BF16, opts)
+    check_parity(q, k, v, opts)
+
+
 BROADCAST_CASES = [
     # (batch, options) -- bias / mask specs: B = batch dims, b = ones for them, H, Q, K, 1
     ((), dict(causal="bottom_right")),
@@ -444,7 +458,13 @@ _THREADS_SCRIPT = textwrap.dedent("""
         out, aux = attnaux.attention(q, k, v, bias=bias, causal="bottom_right", backend="flash")
         return jnp.sum(out * out) + jnp.sum(aux.lse), (out, aux.lse, aux.max)
     (_, res), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
-    np.savez(sys.argv[2], *[np.asarray(x) for x in (*res, *g)])
+    # bfloat16 at head dim 64 (the forward on AMX tiles where the CPU has them)
+    q16, k16, v16 = (jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)
+                     for s in [(2, 257, 4, 64), (2, 300, 2, 64), (2, 300, 2, 64)])
+    out16, aux16 = jax.jit(lambda q, k, v: attnaux.attention(q, k, v, causal=True,
+                                                             backend="flash"))(q16, k16, v16)
+    extra = (out16.astype(jnp.float32), aux16.lse)
+    np.savez(sys.argv[2], *[np.asarray(x) for x in (*res, *g, *extra)])
 """)
 
 
@@ -455,7 +475,8 @@ def _child_env():
 
 def test_results_do_not_depend_on_thread_count(tmp_path):
     assert_same_on_one_and_all_cpus(_THREADS_SCRIPT, tmp_path,
-                                    ["out", "lse", "max", "dq", "dk", "dv", "dbias"])
+                                    ["out", "lse", "max", "dq", "dk", "dv", "dbias",
+                                     "out bf16", "lse bf16"])
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""

@@ -20,10 +20,12 @@
 // Sq x Skv score matrix never exists.
 //
 // bfloat16 inputs on a CPU with AVX512_BF16 (ATTNAUX_BF16_PAIRS) also get packs of pair words, and
-// every product runs on VDPBF16PS (cpu_gemm.h, PairGemmLanes) at about twice the float32 rate: Q,
-// K, V and dO as given, P and dS rounded to bfloat16 as operands (as FlashAttention does on
-// GPUs), float32 accumulation and statistics. Tiles of blocks flagged non-finite keep the float32
-// path above (and its NaN handling); so does every other build and dtype.
+// every product runs on VDPBF16PS (cpu_gemm.h, PairGemmLanes): Q, K, V and dO as given, P and dS
+// rounded to bfloat16 as operands (as FlashAttention does on GPUs), float32 accumulation and
+// statistics. Where the CPU also has AMX (ATTNAUX_AMX, AmxUsable), the forward's two products run
+// on its tiles instead (AmxGemm64, from bfloat16 packs of K's rows and of V^T), and the backward
+// keeps its float32 products (PairProducts says why). Tiles of blocks flagged non-finite keep
+// the float32 path above (and its NaN handling); so does every other build and dtype.
 //
 // Tile sizes and scratch: attention_tile.h. What a tile sees (band, mask, segments, dropout) and
 // its scores: attention_mask.h. Packing, forward and backward drivers: here.
@@ -55,16 +57,32 @@ namespace attnaux::cpu {
 //     kt_pairs: [nkb][D2][BK]   (K^T, head dims 2x, 2x + 1 paired)
 //     v_pairs: [nkb][BK/2][Dv]   (V rows, keys 2y, 2y + 1 paired; forward only)
 //     vt_pairs: [nkb][Dv2][BK] and k_pairs: [nkb][BK/2][D]   (likewise; backward only)
+//   with pairs, forward, AMX (AmxUsable) and D % 32 == 0, Dv % 16 == 0, AmxGemm64's A operands
+//   in bfloat16:
+//     k_amx: [nkb*BK + BK][D]   (K rows; a block of zero rows after the last, as a tile's
+//                                product runs to a multiple of 16 rows past its first key)
+//     vt_amx: [nkb][Dv][BK]     (V^T per key block)
 //   nonfinite: [nkb]   1 where a key or value row of the block holds NaN or inf, else 0
+// Whether a pass runs its products on bfloat16 pair words (PairGemmLanes, VDPBF16PS): bfloat16
+// inputs on a CPU with AVX512_BF16. Not the backward where the CPU also has AMX: there (a
+// Sapphire Rapids Xeon, 2 cores) VDPBF16PS ran at the rate of the float32 FMAs and the
+// backward's pair products with their conversions at 0.8x its float32 ones (120 against 150
+// GFLOP/s at 1 x 2048 x 8 x 64, benchmarks/cpu_vs_torch.py), so it keeps those until its
+// products run on the tiles as the forward's do.
+inline bool PairProducts(const AttentionParams& p, bool backward) {
+  return kHasBf16Pairs && p.elem == Elem::kBF16 && !(backward && AmxUsable());
+}
+
 struct KvPackLayout {
   int64_t num_blocks, d, dv;
-  bool backward, pairs;
+  bool backward, pairs, amx;
   KvPackLayout(const AttentionParams& p, bool bwd)
       : num_blocks(CeilDiv(p.kv_len, kBlockK)),
         d(p.head_dim),
         dv(p.v_dim),
         backward(bwd),
-        pairs(kHasBf16Pairs && p.elem == Elem::kBF16) {}
+        pairs(PairProducts(p, bwd)),
+        amx(pairs && !bwd && p.head_dim % 32 == 0 && p.v_dim % 16 == 0 && AmxUsable()) {}
   int64_t keys() const { return num_blocks * kBlockK; }
   int64_t d2() const { return (d + 1) / 2; }
   int64_t dv2() const { return (dv + 1) / 2; }
@@ -77,7 +95,9 @@ struct KvPackLayout {
     if (!pairs) return 0;
     return keys() * d2() + (backward ? keys() * dv2() + keys() / 2 * d : keys() / 2 * dv);
   }
-  int64_t size() const { return floats_size() + pairs_size() + num_blocks; }
+  // (in floats: two bfloat16 a float; d and dv are even here)
+  int64_t amx_size() const { return amx ? ((keys() + kBlockK) * d + keys() * dv) / 2 : 0; }
+  int64_t size() const { return floats_size() + pairs_size() + amx_size() + num_blocks; }
 };
 
 struct KvPack {
@@ -89,6 +109,8 @@ struct KvPack {
   const uint32_t* v_pairs;
   const uint32_t* vt_pairs;
   const uint32_t* k_pairs;
+  const uint16_t* k_amx;  // null unless layout.amx
+  const uint16_t* vt_amx;
   const float* nonfinite;
 };
 
@@ -105,6 +127,10 @@ inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
   pack.v_pairs = fwd ? after_kt : nullptr;
   pack.vt_pairs = bwd ? after_kt : nullptr;
   pack.k_pairs = bwd ? after_kt + layout.keys() * layout.dv2() : nullptr;
+  const uint16_t* amx =
+      reinterpret_cast<const uint16_t*>(base + layout.floats_size() + layout.pairs_size());
+  pack.k_amx = layout.amx ? amx : nullptr;
+  pack.vt_amx = layout.amx ? amx + (layout.keys() + kBlockK) * layout.d : nullptr;
   pack.nonfinite = base + layout.size() - layout.num_blocks;
   return pack;
 }
@@ -247,6 +273,24 @@ inline void PackKvBlock(const AttentionParams& p, int64_t b, int64_t jb,
                      words(pack.v_pairs) + jb * (kBlockK / 2) * dv);
       }
     }
+    if (layout.amx) {
+      // K rows and V^T in bfloat16 (the floats are bfloat16-exact: their upper halves)
+      const KvPack pack = KvPackAt(layout, base);
+      auto half = [](float x) { return static_cast<uint16_t>(FloatToBits(x) >> 16); };
+      uint16_t* k_amx = const_cast<uint16_t*>(pack.k_amx) + j0 * d;
+      const float* k_rows = kstage + hkv * kBlockK * d;
+      for (int64_t x = 0; x < kBlockK * d; ++x) k_amx[x] = half(k_rows[x]);
+      if (jb == layout.num_blocks - 1) {
+        std::fill(k_amx + kBlockK * d, k_amx + 2 * kBlockK * d, uint16_t{0});
+      }
+      uint16_t* vt_amx = const_cast<uint16_t*>(pack.vt_amx) + jb * dv * kBlockK;
+      const float* v_rows = pack.v_rows + j0 * dv;
+      for (int64_t x = 0; x < dv; ++x) {
+        for (int64_t jj = 0; jj < kBlockK; ++jj) {
+          vt_amx[x * kBlockK + jj] = half(v_rows[jj * dv + x]);
+        }
+      }
+    }
   }
 }
 
@@ -344,10 +388,12 @@ inline void ForwardRowsTile(const AttentionParams& p, const KvPack& kv, const He
   // keeps them out of rows and keys that do not see them)
   const bool pairs = kv.kt_pairs != nullptr && kv.nonfinite[jb] == 0.0f;
   VecF fused_max[kQVectors];
+  const bool amx = pairs && kv.k_amx != nullptr;
   const bool have_max =
       ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, rs.qt, st, nullptr, nullptr,
                 &scratch.program_regs, fused_max,
-                pairs ? kv.kt_pairs + jb * kBlockK * ((d + 1) / 2) : nullptr, rs.qt_pairs);
+                pairs ? kv.kt_pairs + jb * kBlockK * ((d + 1) / 2) : nullptr, rs.qt_pairs,
+                amx ? kv.k_amx + j0 * d : nullptr);
   const float* v_tile = kv.v_rows + j0 * dv;
   if (kv.nonfinite[jb] != 0.0f) {
     const HiddenInTile hidden(st, nk, valid);
@@ -387,6 +433,29 @@ inline void ForwardRowsTile(const AttentionParams& p, const KvPack& kv, const He
   // O^T = O^T * alpha + V^T P^T (the rescale as the product loads O^T)
   GemmFuse fuse;
   fuse.c_scale = alpha;
+#if defined(ATTNAUX_AMX)
+  if (amx) {
+    // P^T's pair words for all the block's keys (those outside [j0, j1) 0, their V rows
+    // finite: the block is), so that the product's reduction is whole tiles of 32 keys; O^T
+    // rescaled first, as the fused product would as it loads it
+    static_assert(kBlockQ == 64 && kBlockK % 32 == 0, "AmxGemm64: 64 lanes, 32-key tiles");
+    uint32_t* pt = reinterpret_cast<uint32_t*>(scratch.probs.get());
+    const int64_t first = (j0 - jb * kBlockK) / 2;
+    int64_t y0, y1;
+    KeyPairsOfTile(st, jb, j0, j1, pt + first * kBlockQ, &y0, &y1);
+    std::fill(pt, pt + y0 * kBlockQ, 0u);
+    std::fill(pt + y1 * kBlockQ, pt + kBlockK / 2 * kBlockQ, 0u);
+    for (int64_t x = 0; x < dv; ++x) {
+      for (int v = 0; v < kQVectors; ++v) {
+        float* o = rs.ot + x * kBlockQ + v * kLanes;
+        Store(o, Load(o) * alpha[v]);
+      }
+    }
+    AmxGemm64(dv, kBlockK / 2, kv.vt_amx + jb * dv * kBlockK, kBlockK, pt, kBlockQ, rs.ot,
+              kBlockQ, true);
+    return;
+  }
+#endif
 #if defined(ATTNAUX_BF16_PAIRS)
   if (pairs) {
     // P rounded to bfloat16, as flash attention on GPUs does (its partner outside [j0, j1) has
@@ -531,7 +600,7 @@ struct QPackLayout {
         dv(p.v_dim),
         dp(RoundUpLanes(p.head_dim)),
         dvp(RoundUpLanes(p.v_dim)),
-        pairs(kHasBf16Pairs && p.elem == Elem::kBF16) {}
+        pairs(PairProducts(p, /*backward=*/true)) {}
   int64_t rows() const { return num_blocks * kBlockQ; }
   int64_t floats_size() const { return rows() * (d + dp + dv + dvp + 2) + num_blocks; }
   int64_t pairs_size() const {

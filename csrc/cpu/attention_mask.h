@@ -218,12 +218,14 @@ inline bool OneSegment(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0
 // the product as it stores them; the return value says whether it was.
 // `kt_pairs` / `qt_pairs` (when not null; kHasBf16Pairs): the bfloat16 pair words of the key block
 // ([ceil(D/2)][BK]) and of the query block ([ceil(D/2)][BQ]), for a product on PairGemmLanes
-// instead of the float32 one (then kt_block and qt are not read).
+// instead of the float32 one (then kt_block and qt are not read). `k_amx` (when not null;
+// ATTNAUX_AMX, with qt_pairs): the bfloat16 rows of K from key j0 on, for a product on AMX tiles
+// (AmxGemm64) instead.
 inline bool ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0, int64_t j1,
                       const float* kt_block, const float* qt, float* st, float* tanh_out,
                       float* raw = nullptr, std::vector<float>* program_regs = nullptr,
                       VecF* tile_max = nullptr, const uint32_t* kt_pairs = nullptr,
-                      const uint32_t* qt_pairs = nullptr) {
+                      const uint32_t* qt_pairs = nullptr, const uint16_t* k_amx = nullptr) {
   const AttentionParams& p = hv.p;
   const int64_t nk = j1 - j0;
   const int64_t jb_start = (j0 / kBlockK) * kBlockK;
@@ -241,6 +243,23 @@ inline bool ScoreTile(const HeadView& hv, int64_t i0, int64_t valid, int64_t j0,
     for (int v = 0; v < kQVectors; ++v) tile_max[v] = Splat(-kInf);
     fuse.row_max = tile_max;
   }
+#if defined(ATTNAUX_AMX)
+  if (k_amx != nullptr) {
+    // on AMX tiles, whole tiles of 16 keys (the rows past nk, zero keys or the next ones, are
+    // stored in st's spare rows and never read), then the store's scale and maximum
+    static_assert(kBlockQ == 64, "AmxGemm64's 64 lanes");
+    AmxGemm64((nk + 15) / 16 * 16, p.head_dim / 2, k_amx, p.head_dim, qt_pairs, kBlockQ, st,
+              kBlockQ, false);
+    const VecF scale = Splat(p.scale);
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int v = 0; v < kQVectors; ++v) {
+        const VecF x = Load(st + r * kBlockQ + v * kLanes) * scale;
+        Store(st + r * kBlockQ + v * kLanes, x);
+        if (fuse.row_max != nullptr) fuse.row_max[v] = Max(fuse.row_max[v], x);
+      }
+    }
+  } else
+#endif
 #if defined(ATTNAUX_BF16_PAIRS)
   if (kt_pairs != nullptr) {
     PairGemmLanes<1>(nk, (p.head_dim + 1) / 2, kt_pairs + (j0 - jb_start), kBlockK, qt_pairs,
