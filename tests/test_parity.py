@@ -458,12 +458,15 @@ _THREADS_SCRIPT = textwrap.dedent("""
         out, aux = attnaux.attention(q, k, v, bias=bias, causal="bottom_right", backend="flash")
         return jnp.sum(out * out) + jnp.sum(aux.lse), (out, aux.lse, aux.max)
     (_, res), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
-    # bfloat16 at head dim 64 (the forward on AMX tiles where the CPU has them)
+    # bfloat16 at head dim 64 (its products on AMX tiles where the CPU has them)
     q16, k16, v16 = (jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)
                      for s in [(2, 257, 4, 64), (2, 300, 2, 64), (2, 300, 2, 64)])
-    out16, aux16 = jax.jit(lambda q, k, v: attnaux.attention(q, k, v, causal=True,
-                                                             backend="flash"))(q16, k16, v16)
-    extra = (out16.astype(jnp.float32), aux16.lse)
+    def f16(q, k, v):
+        out, aux = attnaux.attention(q, k, v, causal=True, backend="flash")
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(aux.lse), (out, aux.lse)
+    (_, (out16, lse16)), g16 = jax.jit(jax.value_and_grad(f16, argnums=(0, 1, 2),
+                                                          has_aux=True))(q16, k16, v16)
+    extra = (out16.astype(jnp.float32), lse16, *(g.astype(jnp.float32) for g in g16))
     np.savez(sys.argv[2], *[np.asarray(x) for x in (*res, *g, *extra)])
 """)
 
@@ -476,7 +479,7 @@ def _child_env():
 def test_results_do_not_depend_on_thread_count(tmp_path):
     assert_same_on_one_and_all_cpus(_THREADS_SCRIPT, tmp_path,
                                     ["out", "lse", "max", "dq", "dk", "dv", "dbias",
-                                     "out bf16", "lse bf16"])
+                                     "out bf16", "lse bf16", "dq bf16", "dk bf16", "dv bf16"])
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""

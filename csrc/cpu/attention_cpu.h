@@ -22,10 +22,12 @@
 // bfloat16 inputs on a CPU with AVX512_BF16 (ATTNAUX_BF16_PAIRS) also get packs of pair words, and
 // every product runs on VDPBF16PS (cpu_gemm.h, PairGemmLanes): Q, K, V and dO as given, P and dS
 // rounded to bfloat16 as operands (as FlashAttention does on GPUs), float32 accumulation and
-// statistics. Where the CPU also has AMX (ATTNAUX_AMX, AmxUsable), the forward's two products run
-// on its tiles instead (AmxGemm64, from bfloat16 packs of K's rows and of V^T), and the backward
-// keeps its float32 products (PairProducts says why). Tiles of blocks flagged non-finite keep
-// the float32 path above (and its NaN handling); so does every other build and dtype.
+// statistics. Where the CPU also has AMX (ATTNAUX_AMX, AmxUsable) and the head dims suit its
+// tiles (AmxDims), every product runs on them instead (AmxGemm64, A from bfloat16 packs of K's
+// rows, V^T (forward), V's rows and K^T (backward), or of the tile's P^T and dS^T rows); a
+// backward whose head dims do not suit them keeps its float32 products there (PairProducts says
+// why). Tiles of blocks flagged non-finite keep the float32 path above (and its NaN handling);
+// so does every other build and dtype.
 //
 // Tile sizes and scratch: attention_tile.h. What a tile sees (band, mask, segments, dropout) and
 // its scores: attention_mask.h. Packing, forward and backward drivers: here.
@@ -57,20 +59,28 @@ namespace attnaux::cpu {
 //     kt_pairs: [nkb][D2][BK]   (K^T, head dims 2x, 2x + 1 paired)
 //     v_pairs: [nkb][BK/2][Dv]   (V rows, keys 2y, 2y + 1 paired; forward only)
 //     vt_pairs: [nkb][Dv2][BK] and k_pairs: [nkb][BK/2][D]   (likewise; backward only)
-//   with pairs, forward, AMX (AmxUsable) and D % 32 == 0, Dv % 16 == 0, AmxGemm64's A operands
-//   in bfloat16:
+//   with pairs, AMX (AmxUsable) and AmxDims, AmxGemm64's A operands in bfloat16:
 //     k_amx: [nkb*BK + BK][D]   (K rows; a block of zero rows after the last, as a tile's
 //                                product runs to a multiple of 16 rows past its first key)
-//     vt_amx: [nkb][Dv][BK]     (V^T per key block)
+//     vt_amx: [nkb][Dv][BK]     (V^T per key block; forward only)
+//     v_amx: [nkb*BK + BK][Dv] and kt_amx: [nkb][D][BK]   (V rows, K^T; backward only)
 //   nonfinite: [nkb]   1 where a key or value row of the block holds NaN or inf, else 0
-// Whether a pass runs its products on bfloat16 pair words (PairGemmLanes, VDPBF16PS): bfloat16
-// inputs on a CPU with AVX512_BF16. Not the backward where the CPU also has AMX: there (a
-// Sapphire Rapids Xeon, 2 cores) VDPBF16PS ran at the rate of the float32 FMAs and the
-// backward's pair products with their conversions at 0.8x its float32 ones (120 against 150
-// GFLOP/s at 1 x 2048 x 8 x 64, benchmarks/cpu_vs_torch.py), so it keeps those until its
-// products run on the tiles as the forward's do.
+// Head dims whose products AmxGemm64 takes whole: the reduction in tiles of 32 and C's rows in
+// tiles of 16 (forward), and the backward's dK and dV with the head dim in its 64 lanes.
+inline bool AmxDims(const AttentionParams& p, bool backward) {
+  return backward ? p.head_dim % 64 == 0 && p.v_dim % 64 == 0
+                  : p.head_dim % 32 == 0 && p.v_dim % 16 == 0;
+}
+
+// Whether a pass runs its products on bfloat16 pair words (PairGemmLanes, VDPBF16PS; with
+// KvPackLayout::amx the tiles take them): bfloat16 inputs on a CPU with AVX512_BF16. Not a
+// backward that the tiles cannot take on a CPU with AMX: there (a Sapphire Rapids Xeon, 2 cores)
+// VDPBF16PS ran at the rate of the float32 FMAs and the backward's pair products with their
+// conversions at 0.8x its float32 ones (120 against 150 GFLOP/s at 1 x 2048 x 8 x 64,
+// benchmarks/cpu_vs_torch.py), so such a backward keeps its float32 products.
 inline bool PairProducts(const AttentionParams& p, bool backward) {
-  return kHasBf16Pairs && p.elem == Elem::kBF16 && !(backward && AmxUsable());
+  return kHasBf16Pairs && p.elem == Elem::kBF16 &&
+         !(backward && AmxUsable() && !AmxDims(p, backward));
 }
 
 struct KvPackLayout {
@@ -82,7 +92,7 @@ struct KvPackLayout {
         dv(p.v_dim),
         backward(bwd),
         pairs(PairProducts(p, bwd)),
-        amx(pairs && !bwd && p.head_dim % 32 == 0 && p.v_dim % 16 == 0 && AmxUsable()) {}
+        amx(pairs && AmxDims(p, bwd) && AmxUsable()) {}
   int64_t keys() const { return num_blocks * kBlockK; }
   int64_t d2() const { return (d + 1) / 2; }
   int64_t dv2() const { return (dv + 1) / 2; }
@@ -96,7 +106,11 @@ struct KvPackLayout {
     return keys() * d2() + (backward ? keys() * dv2() + keys() / 2 * d : keys() / 2 * dv);
   }
   // (in floats: two bfloat16 a float; d and dv are even here)
-  int64_t amx_size() const { return amx ? ((keys() + kBlockK) * d + keys() * dv) / 2 : 0; }
+  int64_t amx_size() const {
+    if (!amx) return 0;
+    const int64_t rows = keys() + kBlockK;
+    return (backward ? rows * d + rows * dv + keys() * d : rows * d + keys() * dv) / 2;
+  }
   int64_t size() const { return floats_size() + pairs_size() + amx_size() + num_blocks; }
 };
 
@@ -111,6 +125,8 @@ struct KvPack {
   const uint32_t* k_pairs;
   const uint16_t* k_amx;  // null unless layout.amx
   const uint16_t* vt_amx;
+  const uint16_t* v_amx;
+  const uint16_t* kt_amx;
   const float* nonfinite;
 };
 
@@ -129,8 +145,12 @@ inline KvPack KvPackAt(const KvPackLayout& layout, float* base) {
   pack.k_pairs = bwd ? after_kt + layout.keys() * layout.dv2() : nullptr;
   const uint16_t* amx =
       reinterpret_cast<const uint16_t*>(base + layout.floats_size() + layout.pairs_size());
+  const int64_t rows = layout.keys() + kBlockK;
+  const bool fwd_amx = layout.amx && !layout.backward, bwd_amx = layout.amx && layout.backward;
   pack.k_amx = layout.amx ? amx : nullptr;
-  pack.vt_amx = layout.amx ? amx + (layout.keys() + kBlockK) * layout.d : nullptr;
+  pack.vt_amx = fwd_amx ? amx + rows * layout.d : nullptr;
+  pack.v_amx = bwd_amx ? amx + rows * layout.d : nullptr;
+  pack.kt_amx = bwd_amx ? amx + rows * (layout.d + layout.dv) : nullptr;
   pack.nonfinite = base + layout.size() - layout.num_blocks;
   return pack;
 }
@@ -283,11 +303,25 @@ inline void PackKvBlock(const AttentionParams& p, int64_t b, int64_t jb,
       if (jb == layout.num_blocks - 1) {
         std::fill(k_amx + kBlockK * d, k_amx + 2 * kBlockK * d, uint16_t{0});
       }
-      uint16_t* vt_amx = const_cast<uint16_t*>(pack.vt_amx) + jb * dv * kBlockK;
       const float* v_rows = pack.v_rows + j0 * dv;
-      for (int64_t x = 0; x < dv; ++x) {
-        for (int64_t jj = 0; jj < kBlockK; ++jj) {
-          vt_amx[x * kBlockK + jj] = half(v_rows[jj * dv + x]);
+      if (!layout.backward) {
+        uint16_t* vt_amx = const_cast<uint16_t*>(pack.vt_amx) + jb * dv * kBlockK;
+        for (int64_t x = 0; x < dv; ++x) {
+          for (int64_t jj = 0; jj < kBlockK; ++jj) {
+            vt_amx[x * kBlockK + jj] = half(v_rows[jj * dv + x]);
+          }
+        }
+      } else {
+        uint16_t* v_amx = const_cast<uint16_t*>(pack.v_amx) + j0 * dv;
+        for (int64_t x = 0; x < kBlockK * dv; ++x) v_amx[x] = half(v_rows[x]);
+        if (jb == layout.num_blocks - 1) {
+          std::fill(v_amx + kBlockK * dv, v_amx + 2 * kBlockK * dv, uint16_t{0});
+        }
+        uint16_t* kt_amx = const_cast<uint16_t*>(pack.kt_amx) + jb * d * kBlockK;
+        for (int64_t x = 0; x < d; ++x) {
+          for (int64_t jj = 0; jj < kBlockK; ++jj) {
+            kt_amx[x * kBlockK + jj] = half(k_rows[jj * d + x]);
+          }
         }
       }
     }
@@ -746,11 +780,14 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
   // does), unless the tile holds NaN or inf: those take the float32 path, which keeps them out of
   // the rows and keys that do not see them.
   const bool pairs = kv.kt_pairs != nullptr && !check_hidden;
+  // (and on AMX tiles where the pack has their operands: AmxDims)
+  [[maybe_unused]] const bool amx = pairs && kv.k_amx != nullptr;
   [[maybe_unused]] const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
   ScoreTile(hv, i0, valid, j0, j1, kv.kt + jb * kBlockK * d, qs.qt + ib * d * kBlockQ, st, th,
             raw, &scratch.program_regs, nullptr,
             pairs ? kv.kt_pairs + jb * kBlockK * d2 : nullptr,
-            pairs ? qs.qt_pairs + ib * d2 * kBlockQ : nullptr);
+            pairs ? qs.qt_pairs + ib * d2 * kBlockQ : nullptr,
+            amx ? kv.k_amx + j0 * d : nullptr);
   // Non-finite packed rows: which keys and rows the tile hides (their products are cleaned below).
   const HiddenInTile hidden = check_hidden ? HiddenInTile(st, nk, valid) : HiddenInTile();
 #if defined(ATTNAUX_BF16_PAIRS)
@@ -761,6 +798,21 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
     for (int64_t e = 0; e < n; e += kLanes) StoreBf16(dst + e, Load(x + e));
   };
 #endif
+#if defined(ATTNAUX_AMX)
+  // AmxGemm64 with the head dim in C's lanes (dV += P dO, dK += dS Q): A the block's P^T or dS^T
+  // rows in bfloat16, all kBlockK of them (the keys outside [j0, j1) 0, so that C's rows past
+  // the tile's gain 0), B the query pairs of dO's or Q's rows, 64 lanes of C a product
+  auto amx_head_lanes = [&](const float* x, const uint32_t* b_rows, int64_t width, float* c) {
+    static_assert(kBlockQ == 64 && kBlockK % 16 == 0, "AmxGemm64: 64 lanes, 16-row tiles");
+    uint16_t* a = reinterpret_cast<uint16_t*>(lane_pairs);
+    std::fill(a, a + key_offset * kBlockQ, uint16_t{0});
+    for (int64_t e = 0; e < n; e += kLanes) StoreBf16(a + key_offset * kBlockQ + e, Load(x + e));
+    std::fill(a + (key_offset + nk) * kBlockQ, a + kBlockK * kBlockQ, uint16_t{0});
+    for (int64_t c0 = 0; c0 < width; c0 += 64) {
+      AmxGemm64(kBlockK, kBlockQ / 2, a, kBlockQ, b_rows + c0, width, c + c0, width, true);
+    }
+  };
+#endif
   for (int64_t r = 0; r < nk; ++r) {
     for (int v = 0; v < kQVectors; ++v) {
       const int64_t x = r * kBlockQ + v * kLanes;
@@ -769,6 +821,12 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
   }
   if (hv.dropout()) DropoutTile(hv, i0, valid, j0, j1, drop);
   // dP^T = V dO^T
+#if defined(ATTNAUX_AMX)
+  if (amx) {  // (rows past nk: into ds's spare rows, never read)
+    AmxGemm64((nk + 15) / 16 * 16, dv / 2, kv.v_amx + j0 * dv, dv,
+              qs.dot_pairs + ib * dv2 * kBlockQ, kBlockQ, ds, kBlockQ, false);
+  } else
+#endif
 #if defined(ATTNAUX_BF16_PAIRS)
   if (pairs) {
     PairGemmLanes<1>(nk, dv2, kv.vt_pairs + jb * kBlockK * dv2 + key_offset, kBlockK,
@@ -786,6 +844,11 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
       for (int64_t x = 0; x < n; x += kLanes) Store(st + x, Load(pr + x) * Load(drop + x));
       pd = st;
     }
+#if defined(ATTNAUX_AMX)
+    if (amx) {
+      amx_head_lanes(pd, qs.do_pairs + i0 / 2 * ql.dvp, ql.dvp, dv_block);
+    } else
+#endif
 #if defined(ATTNAUX_BF16_PAIRS)
     if (pairs) {
       round_lanes(pd);
@@ -833,6 +896,22 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
       Store(ds + x, Load(ds + x) * (1.0f - t * t));
     }
   }
+#if defined(ATTNAUX_AMX)
+  if (amx) {
+    if (dk_block != nullptr) amx_head_lanes(ds, qs.q_pairs + i0 / 2 * ql.dp, ql.dp, dk_block);
+    if (dqt != nullptr) {
+      // dS^T's key pairs of the whole block (0 outside [j0, j1)), then dQ^T += K^T dS^T
+      uint32_t* key_pairs = lane_pairs + kBlockK * kBlockQ / 2;
+      int64_t y0, y1;
+      KeyPairsOfTile(ds, jb, j0, j1, key_pairs + key_offset / 2 * kBlockQ, &y0, &y1);
+      std::fill(key_pairs, key_pairs + y0 * kBlockQ, 0u);
+      std::fill(key_pairs + y1 * kBlockQ, key_pairs + kBlockK / 2 * kBlockQ, 0u);
+      AmxGemm64(d, kBlockK / 2, kv.kt_amx + jb * d * kBlockK, kBlockK, key_pairs, kBlockQ, dqt,
+                kBlockQ, true);
+    }
+    return;
+  }
+#endif
 #if defined(ATTNAUX_BF16_PAIRS)
   if (pairs) {
     if (dk_block != nullptr) {
