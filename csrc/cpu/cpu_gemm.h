@@ -10,8 +10,10 @@
 #ifndef ATTNAUX_CSRC_CPU_CPU_GEMM_H_
 #define ATTNAUX_CSRC_CPU_CPU_GEMM_H_
 
-#include <sys/syscall.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>  // AmxUsable: the tiles' state is the kernel's to grant
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -325,7 +327,8 @@ inline constexpr bool kHasBf16Pairs = false;
 // float32 FMAs (a profile of the bfloat16 forward: 83% of its time in PairGemmPanel, the forward
 // no faster than its float32 form). Linux hands out the tiles' 8 KiB of register state only on
 // request (arch_prctl ARCH_REQ_XCOMP_PERM), once a process: AmxUsable says whether it did.
-#if defined(ATTNAUX_BF16_PAIRS) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(ATTNAUX_BF16_PAIRS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
 #define ATTNAUX_AMX 1
 
 inline bool AmxUsable() {
