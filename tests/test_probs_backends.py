@@ -429,6 +429,34 @@ def test_auto_choice(q_seq, kv_seq, return_probs, dtype, want):
         assert f"kv_seq={kv_seq} <= {AUTO_PROBS_MAX_KV_SEQ}" in e.reasons["probs"]
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_auto_choice_bfloat16_on_amx_tiles(monkeypatch, amx):
+    """On a CPU whose flash kernels run bfloat16 on AMX tiles (`_ffi.cpu_amx_tiles`, answering
+    as told here), `auto` takes flash for bfloat16 at head dims that are multiples of 64 from
+    `AUTO_PROBS_MAX_KV_SEQ_AMX + 1` keys, where it measured faster than probs; float32 and head
+    dim 32 keep `AUTO_PROBS_MAX_KV_SEQ`, and so does every call without the tiles."""
+    from attnaux import _dispatch, _ffi
+
+    monkeypatch.setattr(_ffi, "cpu_amx_tiles", lambda: amx)
+    limit = _dispatch.AUTO_PROBS_MAX_KV_SEQ_AMX
+
+    def chosen(kv_seq, dtype=jnp.bfloat16, dim=64):
+        structs = [jax.ShapeDtypeStruct(s, dtype) for s in
+                   ((2, 64, 4, dim), (2, kv_seq, 2, dim), (2, kv_seq, 2, dim))]
+        return attnaux.explain(*structs)
+
+    e = chosen(limit + 1)
+    assert e.backend == ("flash" if amx else "probs"), str(e)
+    if amx:
+        assert "AUTO_PROBS_MAX_KV_SEQ_AMX" in e.reasons["probs"]
+    e = chosen(limit)
+    assert e.backend == "probs"
+    assert ("AUTO_PROBS_MAX_KV_SEQ_AMX" if amx else "AUTO_PROBS_MAX_KV_SEQ") in e.reasons["probs"]
+    assert chosen(AUTO_PROBS_MAX_KV_SEQ, dtype=jnp.float32).backend == "probs"
+    assert chosen(AUTO_PROBS_MAX_KV_SEQ, dim=32).backend == "probs"
+    assert chosen(AUTO_PROBS_MAX_KV_SEQ).backend == ("flash" if amx else "probs")
+
+
 @pytest.mark.parametrize("q_seq,kv_seq",
                          [(1, 12), (1, 40), (33, 70), (3, AUTO_PROBS_MAX_KV_SEQ + 2)])
 def test_auto_never_changes_results(q_seq, kv_seq):

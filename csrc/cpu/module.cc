@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "common/ffi_capsule.h"
+#include "cpu/cpu_gemm.h"
 #include "cpu/flash_cpu.h"
 #include "cpu/probs_registry.h"
 #include "cpu/softmax_registry.h"
@@ -25,4 +26,8 @@ PYBIND11_MODULE(_ext, m) {
         return handlers;
       },
       "Target name -> capsule of its XLA_FFI_Handler*, for jax.ffi.register_ffi_target.");
+  m.def(
+      "amx_tiles", []() { return attnaux::cpu::AmxUsable(); },
+      "Whether the CPU flash kernels run bfloat16 products on AMX tiles (the build targets AMX "
+      "and the OS granted the tiles' state).");
 }

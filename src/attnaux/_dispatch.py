@@ -217,8 +217,27 @@ forward+backward (its backward reads P instead of recomputing the scores): 1.6x 
 `_auto_probs_max_kv_seq`): cuDNN's flash attention is the faster path there."""
 
 
-def _auto_probs_max_kv_seq(platform: str) -> int:
-    return AUTO_PROBS_MAX_KV_SEQ if platform == "cpu" else 0
+AUTO_PROBS_MAX_KV_SEQ_AMX = 128
+"""`AUTO_PROBS_MAX_KV_SEQ` for bfloat16 on a CPU whose `flash` kernels run on AMX tiles
+(`_ffi.cpu_amx_tiles()`) at head dims whose products the tiles take both ways (multiples of 64):
+there `flash` measured 2.2x / 2.2x `probs` (forward / forward+backward GFLOP/s) at 4x512x8x64,
+1.7x / 1.7x causal, 1.6x / 1.3x at 8x256x8x64 and level at 16x128x8x64 causal (2 cores of a
+Sapphire Rapids Xeon, 2026-11-28, the probs kernels on VDPBF16PS)."""
+
+
+def _auto_probs_max_kv_seq(platform: str, problem: Problem | None = None) -> int:
+    if platform != "cpu":
+        return 0
+    if problem is not None and _amx_flash(problem):
+        return AUTO_PROBS_MAX_KV_SEQ_AMX
+    return AUTO_PROBS_MAX_KV_SEQ
+
+
+def _amx_flash(problem: Problem) -> bool:
+    """Whether the CPU `flash` kernels run this call's products on AMX tiles both ways."""
+    a = problem.arrays
+    return (a.q.dtype == jax.numpy.bfloat16 and a.q.shape[-1] % 64 == 0 and a.v.shape[-1] % 64 == 0
+            and _ffi.cpu_amx_tiles())
 
 
 GPU_AUTO_PROBS_MAX_PAIRS = 2**21
@@ -413,7 +432,7 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
     backend = check_backend(backend)
     platform = _platform()
     kv_seq = problem.arrays.k.shape[1]
-    probs_limit = _auto_probs_max_kv_seq(platform)
+    probs_limit = _auto_probs_max_kv_seq(platform, problem)
     flash_no = _unavailable("flash", problem, platform, return_probs)
     probs_no = _unavailable("probs", problem, platform, return_probs)
     gpu_rule = gpu_prefers_probs(problem) if platform == "gpu" else None
@@ -451,8 +470,10 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
             if return_probs:
                 why = "return_probs=True"
             elif kv_seq <= probs_limit:
-                why = (f"kv_seq={kv_seq} <= {probs_limit} (AUTO_PROBS_MAX_KV_SEQ; it measures "
-                       f"faster than flash there)")
+                name = ("AUTO_PROBS_MAX_KV_SEQ_AMX" if platform == "cpu" and _amx_flash(problem)
+                        else "AUTO_PROBS_MAX_KV_SEQ")
+                why = (f"kv_seq={kv_seq} <= {probs_limit} ({name}; it measures faster than "
+                       f"flash there)")
             else:
                 why = gpu_rule
             reasons["probs"] += f"; chosen because {why}"
@@ -473,10 +494,14 @@ def choose(problem: Problem, backend: str, return_probs: bool) -> Choice:
                         "probs when return_probs=True"
                     )
                 else:
+                    amx = _amx_flash(problem)
                     reasons["probs"] += (
-                        "; not chosen: flash measures as fast for longer key sequences and "
-                        "needs O(seq) memory; auto uses probs when return_probs=True (or "
-                        f"kv_seq <= AUTO_PROBS_MAX_KV_SEQ = {probs_limit})"
+                        "; not chosen: flash measures as fast for longer key sequences"
+                        + (" (bfloat16 on AMX tiles: faster from 256 keys)" if amx else "")
+                        + " and needs O(seq) memory; auto uses probs when return_probs=True (or "
+                        + ("kv_seq <= AUTO_PROBS_MAX_KV_SEQ_AMX" if amx
+                           else "kv_seq <= AUTO_PROBS_MAX_KV_SEQ")
+                        + f" = {probs_limit})"
                     )
         elif probs_no is None and platform == "gpu":
             # cuDNN cannot serve the call (float32, softcap with a bias, ...): on GPU the probs

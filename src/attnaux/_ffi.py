@@ -42,6 +42,12 @@ def _cuda_library_hints() -> tuple[str, str]:
         found.append(path)
     return found[0], found[1]
 
+def cpu_amx_tiles() -> bool:
+    """Whether the CPU `flash` kernels run bfloat16 products on AMX tiles here
+    (csrc/cpu/cpu_gemm.h, `AmxUsable`): a build for a CPU with AMX, and the OS granting them."""
+    return _ext is not None and bool(getattr(_ext, "amx_tiles", lambda: False)())
+
+
 if _ext is not None:
     for _name, _capsule in _ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
