@@ -200,7 +200,27 @@ inline void KeyPairsOfTile(const float* rows, int64_t jb, int64_t j0, int64_t j1
     }
   }
 }
+
+// KeyPairsOfTile for all the block's kBlockK / 2 key pairs, those outside [j0, j1) 0: the B
+// operand of an AMX product whose reduction runs over the whole block (out[y * kBlockQ + lane]).
+inline void BlockKeyPairs(const float* rows, int64_t jb, int64_t j0, int64_t j1, uint32_t* out) {
+  int64_t y0, y1;
+  KeyPairsOfTile(rows, jb, j0, j1, out + (j0 - jb * kBlockK) / 2 * kBlockQ, &y0, &y1);
+  std::fill(out, out + y0 * kBlockQ, 0u);
+  std::fill(out + y1 * kBlockQ, out + kBlockK / 2 * kBlockQ, 0u);
+}
 #endif
+
+// n rows of `width` bfloat16-exact floats (leading dimension ld) -> their transpose in bfloat16,
+// out[x * n + r] (the floats' upper halves: exact).
+inline void TransposeToBf16(const float* rows, int64_t ld, int64_t n, int64_t width,
+                            uint16_t* out) {
+  for (int64_t x = 0; x < width; ++x) {
+    for (int64_t r = 0; r < n; ++r) {
+      out[x * n + r] = static_cast<uint16_t>(FloatToBits(rows[r * ld + x]) >> 16);
+    }
+  }
+}
 
 // rows [kBlockK][width] (leading dimension ld) -> cols [width][kBlockK]: 16 x 16 blocks in
 // registers, then 16 columns at a time (both sides in L1) for what is left.
@@ -305,24 +325,16 @@ inline void PackKvBlock(const AttentionParams& p, int64_t b, int64_t jb,
       }
       const float* v_rows = pack.v_rows + j0 * dv;
       if (!layout.backward) {
-        uint16_t* vt_amx = const_cast<uint16_t*>(pack.vt_amx) + jb * dv * kBlockK;
-        for (int64_t x = 0; x < dv; ++x) {
-          for (int64_t jj = 0; jj < kBlockK; ++jj) {
-            vt_amx[x * kBlockK + jj] = half(v_rows[jj * dv + x]);
-          }
-        }
+        TransposeToBf16(v_rows, dv, kBlockK, dv,
+                        const_cast<uint16_t*>(pack.vt_amx) + jb * dv * kBlockK);
       } else {
         uint16_t* v_amx = const_cast<uint16_t*>(pack.v_amx) + j0 * dv;
         for (int64_t x = 0; x < kBlockK * dv; ++x) v_amx[x] = half(v_rows[x]);
         if (jb == layout.num_blocks - 1) {
           std::fill(v_amx + kBlockK * dv, v_amx + 2 * kBlockK * dv, uint16_t{0});
         }
-        uint16_t* kt_amx = const_cast<uint16_t*>(pack.kt_amx) + jb * d * kBlockK;
-        for (int64_t x = 0; x < d; ++x) {
-          for (int64_t jj = 0; jj < kBlockK; ++jj) {
-            kt_amx[x * kBlockK + jj] = half(k_rows[jj * d + x]);
-          }
-        }
+        TransposeToBf16(k_rows, d, kBlockK, d,
+                        const_cast<uint16_t*>(pack.kt_amx) + jb * d * kBlockK);
       }
     }
   }
@@ -474,11 +486,7 @@ inline void ForwardRowsTile(const AttentionParams& p, const KvPack& kv, const He
     // rescaled first, as the fused product would as it loads it
     static_assert(kBlockQ == 64 && kBlockK % 32 == 0, "AmxGemm64: 64 lanes, 32-key tiles");
     uint32_t* pt = reinterpret_cast<uint32_t*>(scratch.probs.get());
-    const int64_t first = (j0 - jb * kBlockK) / 2;
-    int64_t y0, y1;
-    KeyPairsOfTile(st, jb, j0, j1, pt + first * kBlockQ, &y0, &y1);
-    std::fill(pt, pt + y0 * kBlockQ, 0u);
-    std::fill(pt + y1 * kBlockQ, pt + kBlockK / 2 * kBlockQ, 0u);
+    BlockKeyPairs(st, jb, j0, j1, pt);
     for (int64_t x = 0; x < dv; ++x) {
       for (int v = 0; v < kQVectors; ++v) {
         float* o = rs.ot + x * kBlockQ + v * kLanes;
@@ -902,10 +910,7 @@ __attribute__((noinline)) inline void BackwardTile(const HeadView& hv, const KvP
     if (dqt != nullptr) {
       // dS^T's key pairs of the whole block (0 outside [j0, j1)), then dQ^T += K^T dS^T
       uint32_t* key_pairs = lane_pairs + kBlockK * kBlockQ / 2;
-      int64_t y0, y1;
-      KeyPairsOfTile(ds, jb, j0, j1, key_pairs + key_offset / 2 * kBlockQ, &y0, &y1);
-      std::fill(key_pairs, key_pairs + y0 * kBlockQ, 0u);
-      std::fill(key_pairs + y1 * kBlockQ, key_pairs + kBlockK / 2 * kBlockQ, 0u);
+      BlockKeyPairs(ds, jb, j0, j1, key_pairs);
       AmxGemm64(d, kBlockK / 2, kv.kt_amx + jb * d * kBlockK, kBlockK, key_pairs, kBlockQ, dqt,
                 kBlockQ, true);
     }
