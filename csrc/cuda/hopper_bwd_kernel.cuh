@@ -8,7 +8,9 @@
 // A CTA owns 128 keys of one kv head and walks every query tile of 64 rows that can see them,
 // over each query head of its GQA group:
 // - a producer warpgroup (24 registers after setmaxnreg): one thread loads K and V once and the
-//   Q, dO and row statistics of each step by TMA into a two-stage mbarrier pipeline;
+//   Q, dO and row statistics of each step by TMA into a two-stage mbarrier pipeline; another
+//   warp bulk-reduce-adds each consumer warpgroup's dQ tile into dq_accum (FlashAttention-3's
+//   `store_dq`), so that the consumers never wait on the copy engine;
 // - two consumer warpgroups (240 registers), 64 keys each, holding dK and dV in registers. Per
 //   step (m: a query tile of one head):
 //     S^T = K Q^T, dP^T = V dO^T                (wgmma, shared-memory operands)
@@ -17,10 +19,10 @@
 //     dV += P^T dO, dK += dS^T Q                 (wgmma, P^T and dS^T from the registers)
 //     dQ_m += dS K                               (wgmma over both warpgroups' dS, a warpgroup
 //                                                 per half of the head dim; its float32 tile
-//                                                 staged in shared memory and bulk-reduce-added
-//                                                 into dq_accum by each warp's first lane)
+//                                                 staged in shared memory, handed to the
+//                                                 producer's dQ warp by named barriers)
 //   dS is double-buffered, so the consumers' one barrier a step is the one that publishes it.
-// dq_accum holds each warp's part of a warpgroup's 64 x kHeadDim/2 tile of a query tile
+// dq_accum holds each consumer warp's part of a warpgroup's 64 x kHeadDim/2 tile of a query tile
 // contiguously, in the accumulator's register order (the caller reorders it, as
 // FlashAttention-3's postprocess does). The float32 additions into dq_accum come in a varying
 // order: the caller keeps a bitwise reproducible path (the two-kernel Pallas backward) for XLA's
@@ -170,6 +172,10 @@ __device__ __forceinline__ BwdTile BwdTileOf(const BwdParams& p, int block_n, in
 // zeroed in shared memory before the products read them (0 * NaN is NaN in the tensor cores);
 // dK and dV are written for the block's own keys alone (a run without queries: zeros); dQ's
 // tiles are the sequence's own, from `p.tile_base[seq]`.
+// named barriers beside the consumers' 1 (256 threads): a consumer warpgroup's dQ staging full
+// (2 + wg) and empty again (4 + wg), each between its 128 threads and the dQ warp
+constexpr int kDqFullBarrier = 2, kDqEmptyBarrier = 4, kDqBarrierThreads = 128 + 32;
+
 template <class Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     HopperBwdKernel(const __grid_constant__ KernelParams<Traits> params) {
@@ -289,6 +295,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
              tma_s.partition_D(sS));
         if (++m_block == m_hi) m_block = m_lo, ++h;  // (no division by n_m a step)
       }
+    } else if (warp == 1 && steps > 0) {
+      // the dQ warp: each consumer warpgroup's tile of a step, added into dq_accum by one bulk
+      // copy (one a warpgroup where each warp's own quarter took four times the copies and
+      // the consumers' waits on them); the warpgroup's staging is free again once the copy
+      // has read it
+      const bool leader = cute::elect_one_sync();
+      int h = kv_head * group, m_block = m_lo;
+      for (int step = 0; step < steps; ++step) {
+        const int64_t q_tile = (int64_t(b) * p.q_heads + h) * p.dq_tiles + dq_base + m_block;
+        CUTE_UNROLL
+        for (int wg = 0; wg < 2; ++wg) {
+          NamedBarrierSync(kDqFullBarrier + wg, kDqBarrierThreads);
+          if (leader) {
+            BulkReduceAdd(p.dq_accum + (q_tile * 2 + wg) * Traits::kDqWarpgroupFloats,
+                          shared.dq[wg], Traits::kDqWarpgroupFloats * 4);
+          }
+        }
+        if (leader) BulkWaitRead<1>();  // warpgroup 0's copy
+        __syncwarp();
+        NamedBarrierArrive(kDqEmptyBarrier, kDqBarrierThreads);
+        if (leader) BulkWaitRead<0>();
+        __syncwarp();
+        NamedBarrierArrive(kDqEmptyBarrier + 1, kDqBarrierThreads);
+        if (++m_block == m_hi) m_block = m_lo, ++h;
+      }
+      if (leader) BulkWait();
     }
     return;
   }
@@ -333,6 +365,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tdSsdS = thr_ds_store.partition_D(as_position_independent_swizzle_tensor(sdSt));
     const int wg_thread = tid % 128;
     float* dq_smem = shared.dq[wg] + (wg_thread / 32) * (Traits::kDqWarpgroupFloats / 4);
+    // the dQ staging starts empty: this warpgroup's first warp stands in for the dQ warp's
+    // arrival
+    if (wg_thread < 32) NamedBarrierArrive(kDqEmptyBarrier + wg, kDqBarrierThreads);
 
     // packed: zeroes rows [from, rows) of a shared tile (16-byte chunks, whole under the
     // swizzle) with every consumer thread, then publishes the zeros to the tensor cores
@@ -446,30 +481,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor tdKrdS = make_tensor(rdS.data(), AccumulatorAsA(tdPrdP.layout()));
       gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);  // dV and dQ done
       // each warp's part of the warpgroup's dQ tile, in the accumulator's register order (16
-      // bytes a store), then bulk-reduce-added by its first lane: no wait on the other warps
+      // bytes a store), into the staging once the dQ warp's last copy has read it
       constexpr int kWarpFloats = Traits::kDqWarpgroupFloats / 4;
       static_assert(size(decltype(tdQrdQ){}) * 32 == kWarpFloats);
-      if (lane == 0) BulkWaitRead();  // this warp's last dQ part has left shared memory
-      __syncwarp();
+      NamedBarrierSync(kDqEmptyBarrier + wg, kDqBarrierThreads);
       CUTE_UNROLL
       for (int j = 0; j < size(tdQrdQ) / 4; ++j) {
         reinterpret_cast<float4*>(dq_smem)[j * 32 + lane] =
             make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
       }
-      FenceAsyncShared();
-      __syncwarp();
-      if (lane == 0) {
-        const int64_t q_tile = (int64_t(b) * p.q_heads + h) * p.dq_tiles + dq_base + m0 / M;
-        BulkReduceAdd(p.dq_accum + (q_tile * 2 + wg) * Traits::kDqWarpgroupFloats +
-                          (wg_thread / 32) * kWarpFloats,
-                      dq_smem, kWarpFloats * 4);
-      }
+      FenceAsyncShared();  // the generic stores, before the bulk copy reads them
+      NamedBarrierArrive(kDqFullBarrier + wg, kDqBarrierThreads);
       warpgroup_wait<0>();
       __syncwarp();
       if (lane == 0) EmptyBarrier::arrive(&shared.empty[s]);  // Q, dO, stats of stage s read
       if (++m_block == m_hi) m_block = m_lo, ++h;
     }
-    if (lane == 0) BulkWait();
   }
 
   // dK (times the softmax scale) and dV through shared memory (the Q and dO stages, free once

@@ -95,9 +95,20 @@ __device__ __forceinline__ void BulkReduceAdd(float* gmem, const float* smem, in
       : "memory");
 }
 
-// until this thread's bulk copies have read their shared memory
+// named barriers (bar.sync waits, bar.arrive counts itself in and goes on; `threads` a multiple
+// of 32, the same at every use of `id`)
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// until all but the newest `kPending` of this thread's bulk copy groups have read their shared
+// memory
+template <int kPending = 0>
 __device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ void BulkWait() {
