@@ -1,11 +1,12 @@
 """Per-kernel timeline of `varlen_attention` forward+backward (causal, 16 heads x 128, bf16):
-cuDNN's ragged backward and attnaux's CUDA backward after the same CUDA forward
-(`_dispatch.GPU_VARLEN_CUDA_BACKWARD` off, then on), then FlashAttention-3's varlen.
+attnaux's CUDA forward and backward (`_dispatch.GPU_VARLEN_CUDA_BACKWARD` on), then
+FlashAttention-3's varlen.
 
     python3 tools/gpu_dev/prof_varlen.py 8192/8 16384/16 [16384/64/loose]
 
 (tokens / documents of equal lengths; `loose`: `max_seqlen_*` the number of tokens.) Prints each
-candidate's span and busy time a call (us) and its kernels' time a call, largest first.
+candidate's span and busy time a call (us) and its kernels' time a call, largest first
+(forward, then forward+backward).
 """
 
 import sys
@@ -45,16 +46,18 @@ def profile(spec):
             return jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
-    for name, flag in (("cudnn-bwd", False), ("cuda-bwd", True), ("fa3", None)):
+    for name, flag in (("cuda-bwd", True), ("fa3", None)):
         if flag is not None:
             _dispatch.GPU_VARLEN_CUDA_BACKWARD = flag
             jax.clear_caches()
             print("  explain:", attnaux.explain(q, k, v, **args).packed[:70])
         fn = fa3 if flag is None else ours
-        fwd_span, fwd_busy, _ = timeline(jax.jit(fn), (q, k, v))
+        fwd_span, fwd_busy, fwd_top = timeline(jax.jit(fn), (q, k, v))
         both_span, both_busy, top = timeline(with_grad(fn), (q, k, v, w))
         print(f"== {spec} {name}: fwd span {fwd_span:.1f} busy {fwd_busy:.1f} | fwd+bwd "
               f"span {both_span:.1f} busy {both_busy:.1f} us", flush=True)
+        for kernel, us, _ in fwd_top:
+            print(f"  fwd {us:7.1f} {kernel}")
         for kernel, us, _ in top:
             print(f"     {us:7.1f} {kernel}")
 
