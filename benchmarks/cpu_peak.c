@@ -1,17 +1,23 @@
-/* The multiply-add peak of this machine's cores, for benchmarks/cpu_vs_torch.py's decode bound.
+/* The multiply-add peak of this machine's cores and the rate at which they read memory, for
+ * benchmarks/cpu_vs_torch.py's decode bounds.
  *
  *   cc -O2 -march=native -pthread benchmarks/cpu_peak.c -o cpu_peak && ./cpu_peak THREADS SECONDS
  *
- * prints two lines, "fma32 R" and "dpbf16 R": R is the float32 multiply-adds per second of all
- * THREADS threads together, from 512-bit FMAs and from VDPBF16PS (two bfloat16 products summed
- * into each float32 lane; "dpbf16 0" where the compiler does not target AVX-512 BF16). 24
- * independent accumulator chains a thread, operands in registers: the issue rate, not a
- * latency. A decode key of a kv head with r query rows and head dim d takes 2 r d multiply-adds
- * (scores and values) whatever the kernel, so R bounds the rate at which any kernel can read
- * its keys. */
+ * prints three lines, "fma32 R", "dpbf16 R" and "read B": R is the float32 multiply-adds per
+ * second of all THREADS threads together, from 512-bit FMAs and from VDPBF16PS (two bfloat16
+ * products summed into each float32 lane; "dpbf16 0" where the compiler does not target AVX-512
+ * BF16). 24 independent accumulator chains a thread, operands in registers: the issue rate, not
+ * a latency. A decode key of a kv head with r query rows and head dim d takes 2 r d
+ * multiply-adds (scores and values) whatever the kernel, so R bounds the rate at which any
+ * kernel can read its keys. B is the bytes per second that THREADS threads read from memory
+ * together, each its own slice of a 256 MiB buffer in order with 512-bit loads summed into four
+ * accumulators (the best of 5 passes): a kernel that only reads K and V once (decode) reads
+ * them no faster. (A copy's bytes read + written, the benchmark's other figure, can be well
+ * above B: on a 2-core Xeon VM B was 59% of it.) */
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -100,6 +106,55 @@ static double peak(int threads, double seconds, int bf16) {
   return total;
 }
 
+#define READ_BYTES (256u << 20)
+
+struct reader { const float *data; size_t floats; float sink; };
+
+static void *read_slice(void *arg) {
+  struct reader *r = arg;
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (size_t i = 0; i + 64 <= r->floats; i += 64) {
+    s0 = _mm512_add_ps(s0, _mm512_load_ps(r->data + i));
+    s1 = _mm512_add_ps(s1, _mm512_load_ps(r->data + i + 16));
+    s2 = _mm512_add_ps(s2, _mm512_load_ps(r->data + i + 32));
+    s3 = _mm512_add_ps(s3, _mm512_load_ps(r->data + i + 48));
+  }
+  r->sink = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+  return NULL;
+}
+
+static double read_rate(int threads) {
+  float *data = aligned_alloc(64, READ_BYTES);
+  if (data == NULL) return 0;
+  const size_t floats = READ_BYTES / sizeof(float);
+  for (size_t i = 0; i < floats; ++i) data[i] = 1.0f; /* every page touched, not zero pages */
+  const size_t slice = floats / threads / 64 * 64;
+  pthread_t ids[256];
+  struct reader readers[256];
+  double fastest = 1e30, sink = 0;
+  for (int pass = 0; pass < 5; ++pass) {
+    double start = now();
+    for (int t = 0; t < threads; ++t) {
+      readers[t] = (struct reader){data + t * slice, slice, 0};
+      if (pthread_create(&ids[t], NULL, read_slice, &readers[t]) != 0) {
+        fprintf(stderr, "cpu_peak: could not start thread %d of %d\n", t + 1, threads);
+        exit(1);
+      }
+    }
+    for (int t = 0; t < threads; ++t) {
+      pthread_join(ids[t], NULL);
+      sink += readers[t].sink;
+    }
+    const double elapsed = now() - start;
+    if (elapsed < fastest) fastest = elapsed;
+  }
+  free(data);
+  /* (the sums keep the loads; printed, to stderr, only where far from what was stored) */
+  const double stored = 5.0 * (double)slice * threads;
+  if (sink < 0.99 * stored || sink > 1.01 * stored) fprintf(stderr, "cpu_peak: sum %g\n", sink);
+  return (double)slice * threads * sizeof(float) / fastest;
+}
+
 int main(int argc, char **argv) {
   int threads = argc > 1 ? atoi(argv[1]) : 1;
   double seconds = argc > 2 ? atof(argv[2]) : 0.3;
@@ -113,5 +168,6 @@ int main(int argc, char **argv) {
 #else
   printf("dpbf16 0\n");
 #endif
+  printf("read %.6g\n", read_rate(threads));
   return 0;
 }

@@ -13,7 +13,9 @@ are present) gives the cores' multiply-add peak R (512-bit FMAs for float32, VDP
 bfloat16), and a key of a kv head with r query rows (q_seq x the GQA group) and head dim d needs
 2 r d multiply-adds for its 2 d values of K and V, so no kernel reads them faster than R x (bytes
 of a value) / r. Where that bound is below a share of the copy bandwidth, the share cannot be
-reached on this machine. Every time is the best of `--repeats` after
+reached on this machine. The same probe reads a 256 MiB buffer with every core (512-bit loads,
+nothing else): decode reads K and V once, so that **read stream** is its memory bound, which
+can sit well below the copy's bytes read + written (59% of it on a 2-core Xeon VM). Every time is the best of `--repeats` after
 a warm-up, jitted (attnaux, XLA) or under `torch.no_grad` / autograd (torch), with both cores.
 torch is optional: without it its column is empty. Ratios > 1 mean attnaux is faster.
 """
@@ -68,9 +70,10 @@ def copy_bandwidth(repeats=5) -> float:
 
 
 def arithmetic_peak(seconds=0.3) -> dict[str, float] | None:
-    """`{"float32": R, "bfloat16": R}`, the multiply-adds per second of every core (`cpu_peak.c`;
-    bfloat16 falls back to the float32 FMAs where the CPU has no AVX-512 BF16), or None where
-    the probe cannot be built or run here (no C compiler, no AVX-512)."""
+    """`{"float32": R, "bfloat16": R, "read": B}`, the multiply-adds per second of every core
+    and the bytes per second they read from memory together (`cpu_peak.c`; bfloat16 falls back
+    to the float32 FMAs where the CPU has no AVX-512 BF16), or None where the probe cannot be
+    built or run here (no C compiler, no AVX-512)."""
     import subprocess
     import tempfile
 
@@ -86,7 +89,8 @@ def arithmetic_peak(seconds=0.3) -> dict[str, float] | None:
             return None
     rates = dict((name, float(value)) for name, value in
                  (line.split() for line in result.stdout.splitlines()))
-    return {"float32": rates["fma32"], "bfloat16": rates["dpbf16"] or rates["fma32"]}
+    return {"float32": rates["fma32"], "bfloat16": rates["dpbf16"] or rates["fma32"],
+            "read": rates["read"]}
 
 
 def jax_fns(q, k, v, w, causal, backend):
@@ -150,7 +154,8 @@ def main():
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); multiply-add peak "
           + ("not measured" if peak is None else
              f"{peak['float32'] / 1e9:.0f} G/s float32, {peak['bfloat16'] / 1e9:.0f} G/s "
-             "bfloat16"))
+             f"bfloat16; read stream {peak['read'] / 1e9:.1f} GB/s "
+             f"({peak['read'] / bandwidth:.0%} of the copy)"))
     rng = np.random.default_rng(0)
     for dtype in args.dtypes:
         jdtype = jnp.dtype(dtype)
@@ -184,8 +189,8 @@ def main():
             print(f"\n### decode, {dtype}: K+V GB/s fwd (% of copy bandwidth), fwd+bwd ms")
             print("| b x sq x skv x hq/hkv x d | attnaux fwd | torch fwd | XLA fwd | "
                   "attnaux / torch fwd | fwd+bwd ms attnaux / torch | attnaux / torch fwd+bwd "
-                  "| arithmetic bound GB/s (% of copy) | attnaux / bound |")
-            print("|---|---|---|---|---|---|---|---|---|")
+                  "| arithmetic bound GB/s (% of copy) | attnaux / bound | attnaux / read stream |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
             for b, sq, skv, hq, hk, d in DECODE:
                 shapes = ((b, sq, hq, d), (b, skv, hk, d), (b, skv, hk, d), (b, sq, hq, d))
                 q, k, v, w = (jnp.asarray(rng.standard_normal(s), jdtype) for s in shapes)
@@ -208,10 +213,12 @@ def main():
                 rows = sq * (hq // hk)
                 bound = (float("nan") if peak is None
                          else peak[dtype] * jdtype.itemsize / rows)
+                stream = float("nan") if peak is None else peak["read"]
                 print(f"| {b}x{sq}x{skv}x{hq}/{hk}x{d} | {gbs(a[0])} | {gbs(t[0])} | "
                       f"{gbs(x[0])} | {t[0] / a[0]:.2f} | {a[1] * 1e3:.2f} / {t[1] * 1e3:.2f} | "
                       f"{t[1] / a[1]:.2f} | {bound / 1e9:.1f} ({bound / bandwidth:.0%}) | "
-                      f"{kv_bytes / a[0] / bound:.2f} |", flush=True)
+                      f"{kv_bytes / a[0] / bound:.2f} | {kv_bytes / a[0] / stream:.2f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
