@@ -58,8 +58,24 @@ inline constexpr int kBf16AskHint = 2;
 // 16.2-17.7 -> 26.5-28.1, float32 1x1x131072x8/2x128 14.6-15.5 -> 26.9-29.7, 2 and 6 rows
 // 1.1-1.6x (docs/performance.md, 2026-11-27 fifth session). One row a kv head keeps 0:
 // DotTileKeys (in memory order, already at the copy) measured no gain with T1 (float32);
-// DotTileKeysBf16 was not tried.
+// DotTileKeysBf16 was not tried. (On Intel they do take T1: OneRowAsksIntoL2.)
 inline constexpr int kRowsAskHint = 2;
+
+// Whether the one-row forms (DotTileKeys, DotTileKeysBf16) ask for K and V kStreamAhead ahead
+// into L2 (T1) rather than non-temporally: on Intel CPUs. A 2-core Xeon VM with AMX, builds
+// taking turns, two rounds, K+V GB/s of 8x1x4096x8/8x128, 64x1x1024x8/8x64 and
+// 1x1x32768x8/8x128: float32 11.5-14.5 -> 14.3-16.3, bfloat16 8.9-11.0 -> 11.7-15.6 (torch
+// SDPA forward in the same runs: 0.75-1.06x -> 1.00-1.25x); on a Zen 5 T1 measured ~0.9x NTA
+// (float32 34.4-35.7 -> 31.4-31.7 GB/s), so AMD keeps NTA. Read once per process (CPUID): the
+// choice moves no result, only the requests.
+inline bool OneRowAsksIntoL2() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
+  return intel;
+#else
+  return false;
+#endif
+}
 
 inline bool DecodeApplies(const AttentionParams& p) {
   return p.q_len >= 1 && p.q_len <= kDecodeMaxQ && p.group() * p.q_len <= kDecodeMaxRows &&
@@ -1126,7 +1142,7 @@ inline void DotTileRows(const AttentionParams& p,
 // for the scores alone, against ~31.) Every score and output row is DotTile's: the same dot
 // product (two accumulators over alternate vectors, one shuffle sum), scale, softcap and key
 // order of P V: the same bits.
-template <int NV>
+template <int NV, int kLocality>
 inline void DotTileKeys(const AttentionParams& p,
                         const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
                         int64_t j0, int64_t nk, float* states, std::vector<float>& s) {
@@ -1143,7 +1159,7 @@ inline void DotTileKeys(const AttentionParams& p,
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
       const float* k = kbase + (j * hk + hkv) * kD;
-      AskAhead<kD * 4>(kbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4, kLocality>(kbase, j * hk + hkv, last_row);
       const float* q = heads[hkv].q.data();
       VecF acc0 = VecF{}, acc1 = VecF{};
       for (int v = 0; v + 1 < NV; v += 2) {
@@ -1160,7 +1176,7 @@ inline void DotTileKeys(const AttentionParams& p,
   // never enters)
   for (int64_t j = 0; j < nk; ++j) {
     for (int64_t hkv = 0; hkv < hk; ++hkv) {
-      AskAhead<kD * 4>(vbase, j * hk + hkv, last_row);
+      AskAhead<kD * 4, kLocality>(vbase, j * hk + hkv, last_row);
       const float pr = s[hkv * kDecodeTile + j];
       if (pr == 0.0f) continue;
       float* o = states + hkv * per_head + 2;
@@ -1183,7 +1199,7 @@ inline void DotTileKeys(const AttentionParams& p,
 // arithmetic is DotTile's (DotBf16's two chains over alternate 32-value chunks, the same sum
 // tree, times the scale; AxpyBf16's widening and FMA in key order): the same bits. `qall`: every
 // kv head's query row, [hk][kC * 32].
-template <int kC>
+template <int kC, int kLocality>
 inline void DotTileKeysBf16(const AttentionParams& p,
                             const std::vector<decode_detail::DecodeRows>& heads, int64_t b,
                             int64_t j0, int64_t nk, float* states, std::vector<float>& s,
@@ -1204,7 +1220,7 @@ inline void DotTileKeysBf16(const AttentionParams& p,
     int64_t g = hkv;
     for (int l = 0; l < 16; ++l) {  // pair u0 + l into a[4 (l % 4) + l / 4]: lane l of the sums
       const int64_t u = std::min<int64_t>(u0 + l, pairs - 1);
-      AskAhead<kD * 2>(kbase, u, last_row);
+      AskAhead<kD * 2, kLocality>(kbase, u, last_row);
       const uint16_t* k = kbase + u * kD;
       const uint16_t* q = qall + g * kD;
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -1234,7 +1250,7 @@ inline void DotTileKeysBf16(const AttentionParams& p,
   for (int64_t i = 0; i < nk; ++i) {
     for (int64_t h = 0; h < hk; ++h) {
       const int64_t u = i * hk + h;
-      AskAhead<kD * 2>(vbase, u, last_row);
+      AskAhead<kD * 2, kLocality>(vbase, u, last_row);
       const float pr = s[h * kDecodeTile + i];
       if (pr == 0.0f) continue;
       float* o = states + h * per_head + 2;
@@ -1348,7 +1364,7 @@ inline void DotTileRowsBf16(const AttentionParams& p,
   }
 }
 #else
-template <int kC>
+template <int kC, int kLocality>
 inline void DotTileKeysBf16(const AttentionParams&, const std::vector<decode_detail::DecodeRows>&,
                             int64_t, int64_t, int64_t, float*, std::vector<float>&,
                             const uint16_t*) {}
@@ -1480,17 +1496,25 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
         }
       }
     }
+    const bool into_l2 = OneRowAsksIntoL2();  // (the one-row forms' requests)
     int64_t asked_tile = -1;  // the tile the products of the one before asked for, if any
     for (int64_t j0 = c0; j0 < c1; j0 += kDecodeTile) {
       const int64_t j1 = std::min(j0 + kDecodeTile, c1), nk = j1 - j0;
       if (!gemm) {
         float* states = state_of_chunk(b, chunk);
         if (bf16_keys && n == 1) {
-          switch (d / 32) {
-            case 2: DotTileKeysBf16<2>(p, heads, b, j0, nk, states, s, qall.data()); break;
-            case 4: DotTileKeysBf16<4>(p, heads, b, j0, nk, states, s, qall.data()); break;
-            default: DotTileKeysBf16<8>(p, heads, b, j0, nk, states, s, qall.data()); break;
+#define ATTNAUX_KEYS_BF16(L)                                                           \
+  switch (d / 32) {                                                                   \
+    case 2: DotTileKeysBf16<2, L>(p, heads, b, j0, nk, states, s, qall.data()); break; \
+    case 4: DotTileKeysBf16<4, L>(p, heads, b, j0, nk, states, s, qall.data()); break; \
+    default: DotTileKeysBf16<8, L>(p, heads, b, j0, nk, states, s, qall.data()); break; \
+  }
+          if (into_l2) {
+            ATTNAUX_KEYS_BF16(2)
+          } else {
+            ATTNAUX_KEYS_BF16(0)
           }
+#undef ATTNAUX_KEYS_BF16
         } else if (bf16_keys) {
 #define ATTNAUX_ROWS_BF16(R)                                                              \
   switch (d / 32) {                                                                      \
@@ -1507,9 +1531,17 @@ inline void DecodeForward(const AttentionParams& p, const ForwardOutputs& output
           }
 #undef ATTNAUX_ROWS_BF16
         } else if (direct && dp == dvp && n == 1 && dp == 8 * kLanes) {
-          DotTileKeys<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+          if (into_l2) {
+            DotTileKeys<8, 2>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+          } else {
+            DotTileKeys<8, 0>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+          }
         } else if (direct && dp == dvp && n == 1 && dp == 4 * kLanes) {
-          DotTileKeys<4>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+          if (into_l2) {
+            DotTileKeys<4, 2>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+          } else {
+            DotTileKeys<4, 0>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
+          }
         } else if (direct && dp == dvp && dp == 8 * kLanes) {
           DotTileRows<8>(p, heads, b, j0, nk, state_of_chunk(b, chunk), s);
         } else if (direct && dp == dvp && dp == 4 * kLanes) {
