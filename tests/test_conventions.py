@@ -386,6 +386,10 @@ _THREAD_SCRIPT = textwrap.dedent(
                         dict(no_bias=True, kv_seqlens=jnp.asarray([5000, 4100]))),
         "decode_one": (problem(4, 2, 1, 4500, 4, 4, 64, 64, jnp.bfloat16, 1),
                        dict(no_bias=True, softcap=20.0)),
+        # 16 bfloat16 rows per kv head: the score products on AMX tiles where the CPU has them,
+        # the tiles' last keys (lengths not multiples of 16) on VDPBF16PS
+        "decode_rows_bf16": (problem(5, 2, 4, 3000, 8, 2, 128, 128, jnp.bfloat16, 1),
+                             dict(no_bias=True, kv_seqlens=jnp.asarray([3000, 2301]))),
     }
     for name, ((q, k, v, bias, d_out, d_lse), options) in CASES.items():
         options = dict(options)
@@ -450,7 +454,8 @@ def _compare_thread_runs(runs, prefixes):
 
 @requires_flash
 def test_flash_results_do_not_depend_on_threads(thread_runs):
-    _compare_thread_runs(thread_runs, ("gqa.", "long.", "bf16.", "decode_rows.", "decode_one."))
+    _compare_thread_runs(thread_runs, ("gqa.", "long.", "bf16.", "decode_rows.", "decode_one.",
+                                       "decode_rows_bf16."))
 
 
 @requires_flash

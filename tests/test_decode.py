@@ -78,7 +78,8 @@ PARAMS = [(name, "float32") for name in sorted(CASES)] + [("one_row", "bfloat16"
                                                           ("one_row_lengths_window", "bfloat16"),
                                                           ("few_rows_lengths_window", "bfloat16"),
                                                           ("few_rows_many_heads", "bfloat16"),
-                                                          ("gqa_rows", "bfloat16")]
+                                                          ("gqa_rows", "bfloat16"),
+                                                          ("sixteen_rows_window", "bfloat16")]
 
 
 @pytest.mark.parametrize(("name", "dtype"), PARAMS)

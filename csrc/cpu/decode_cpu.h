@@ -294,6 +294,20 @@ struct LaneScoreMask {
   float* tile_max = nullptr;  // [np], updated
 };
 
+// LaneScoreMask's step for one key's sums of 16 rows (`key`: its index in the cache): times the
+// scale, -inf where a lane's row does not see it, folded into the lanes' tile maximum.
+inline __attribute__((always_inline)) __m512 MaskedLaneScores(__m512 sum, float key, __m512 lo,
+                                                              __m512 hi, __m512 scale,
+                                                              __m512& tile_max) {
+  const __m512 at = _mm512_set1_ps(key);
+  const __mmask16 seen =
+      _mm512_cmp_ps_mask(at, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(at, hi, _CMP_LT_OQ);
+  const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-kInf), seen, sum, scale);
+  // Max(tile_max, x) of cpu_simd.h: tile_max > x ? tile_max : x (x when either is NaN)
+  tile_max = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(tile_max, x, _CMP_GT_OQ), x, tile_max);
+  return x;
+}
+
 // kKeys keys' scores for W vectors of rows (rows in the lanes): c[r][W * 16] = q . k_r, the
 // bfloat16 key rows `rows[r]` read in place, each pair of a key's values broadcast as one 32-bit
 // lane against the rows' pairs qt2[x][W * 16] (q[2x], q[2x + 1]). With one vector of rows each
@@ -339,7 +353,6 @@ inline __attribute__((always_inline)) void KeyBlockBf16(int64_t pairs, const uin
     return;
   }
   const __m512 scale = _mm512_set1_ps(mask->scale);
-  const __m512 minus_inf = _mm512_set1_ps(-kInf);
   for (int w = 0; w < W; ++w) {
     const __m512 lo = _mm512_loadu_ps(mask->lo + w * 16);
     const __m512 hi = _mm512_loadu_ps(mask->hi + w * 16);
@@ -347,17 +360,42 @@ inline __attribute__((always_inline)) void KeyBlockBf16(int64_t pairs, const uin
     for (int r = 0; r < kKeys; ++r) {
       __m512 sum = acc[0][r][w];
       if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, acc[1][r][w]);
-      const __m512 key = _mm512_set1_ps(first_key + static_cast<float>(r));
-      const __mmask16 seen = _mm512_cmp_ps_mask(key, lo, _CMP_GE_OQ) &
-                             _mm512_cmp_ps_mask(key, hi, _CMP_LT_OQ);
-      const __m512 x = _mm512_mask_mul_ps(minus_inf, seen, sum, scale);
-      // Max(tile_max, x) of cpu_simd.h: tile_max > x ? tile_max : x (x when either is NaN)
-      tile_max = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(tile_max, x, _CMP_GT_OQ), x, tile_max);
-      _mm512_storeu_ps(c + (r * W + w) * 16, x);
+      _mm512_storeu_ps(c + (r * W + w) * 16,
+                       MaskedLaneScores(sum, first_key + static_cast<float>(r), lo, hi, scale,
+                                        tile_max));
     }
     _mm512_storeu_ps(mask->tile_max + w * 16, tile_max);
   }
 }
+
+#if defined(ATTNAUX_AMX)
+// S^T for 16 keys of one kv head and 16 rows (np 16) on an AMX tile: c[r][16] = q . k_r, the
+// key rows read in place (`step` values apart) as the A tile, 32 head dims a product, qt2's pair
+// words (KeyBlockBf16's B, [d / 2][16]) as the B tile; with `mask`, LaneScoreMask's epilogue
+// over the stored sums, key by key as KeyBlockBf16's. The tile sums each pair's two products
+// and the pairs in its own fixed order (not KeyBlockBf16's two chains: other roundings, still
+// independent of threads).
+inline void AmxScores16(const uint16_t* k, int64_t step, int64_t d, const uint32_t* qt2, float* c,
+                        const LaneScoreMask* mask, float first_key) {
+  _tile_zero(0);
+  for (int64_t x = 0; x < d; x += 32) {
+    _tile_loadd(1, k + x, step * 2);
+    _tile_loadd(2, qt2 + (x / 2) * 16, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, c, 64);
+  if (mask == nullptr) return;
+  const __m512 scale = _mm512_set1_ps(mask->scale);
+  const __m512 lo = _mm512_loadu_ps(mask->lo), hi = _mm512_loadu_ps(mask->hi);
+  __m512 tile_max = _mm512_loadu_ps(mask->tile_max);
+  for (int r = 0; r < 16; ++r) {
+    _mm512_storeu_ps(c + r * 16, MaskedLaneScores(_mm512_loadu_ps(c + r * 16),
+                                                  first_key + static_cast<float>(r), lo, hi,
+                                                  scale, tile_max));
+  }
+  _mm512_storeu_ps(mask->tile_max, tile_max);
+}
+#endif
 
 // S^T [kDecodeTile][np] = K Q^T for one kv head's bfloat16 keys [0, nk), rows `step` values
 // apart, read in place (keys past nk score key nk - 1 again: the rows past the cache's end are
@@ -370,11 +408,26 @@ __attribute__((noinline)) inline void ScoresBf16(const uint16_t* k, int64_t step
                                                  float* st, const char* ask, int64_t ask_lines,
                                                  const LaneScoreMask* mask, float first_key) {
   const int64_t per_block = CeilDiv(ask_lines, kDecodeTile / 8);
+  // 16 rows and whole 16-key groups on AMX tiles where the CPU has them (AmxScores16)
+  int64_t tiled_to = 0;  // keys [0, tiled_to) scored on the tiles
+#if defined(ATTNAUX_AMX)
+  const bool tiles = np == kLanes && d % 32 == 0 && AmxUsable();
+  if (tiles) AmxConfigure();
+#endif
   for (int64_t jb = 0; jb < kDecodeTile; jb += 8) {
     for (int64_t t = 0; t < per_block; ++t) {
       __builtin_prefetch(ask + std::min(jb / 8 * per_block + t, ask_lines - 1) * 64, 0,
                          kBf16AskHint);
     }
+    if (jb < tiled_to) continue;
+#if defined(ATTNAUX_AMX)
+    if (tiles && jb + 16 <= nk) {
+      AmxScores16(k + jb * step, step, d, qt2, st + jb * np, mask,
+                  first_key + static_cast<float>(jb));
+      tiled_to = jb + 16;
+      continue;
+    }
+#endif
     const uint16_t* rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = k + std::min<int64_t>(jb + r, nk - 1) * step;
     float* c = st + jb * np;
