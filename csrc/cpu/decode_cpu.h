@@ -562,6 +562,71 @@ inline VecF ExpPackBf16(float* st, int64_t np, int64_t v, VecF m_use, uint32_t* 
   return sum;
 }
 
+#if defined(ATTNAUX_AMX)
+// ValuesBf16 for 16 rows on AMX tiles: O' = alpha O (rounded, as ValueRowsBf16's start), then
+// P V added by TDPBF16PS, 16 key pairs a product: A the rows' P pairs (pp transposed: a row's
+// pairs contiguous), B V's key pairs (vi, 16 columns a tile), C four 16-column tiles of O at a
+// time, loaded from and stored to `out`. Key pairs past `pairs` up to the product's 16 are zero
+// on both sides (0 * NaN would be NaN). All of `ask`'s lines are asked for first. False when the
+// result is not finite.
+inline bool ValuesAmx16(int64_t pairs, int64_t dv, const float* alpha, const float* in,
+                        float* out, int64_t ld, const LineAsk& ask, const uint32_t* pp,
+                        uint32_t* vi) {
+  int64_t one;
+  for (int64_t line = 0; line < ask.na + ask.nb; ++line) {
+    __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(vi), &one), 0,
+                       kBf16AskHint);
+  }
+  const int64_t padded = CeilDiv(pairs, int64_t{16}) * 16;
+  for (int64_t i = pairs; i < padded; ++i) std::fill(vi + i * dv, vi + (i + 1) * dv, 0u);
+  for (int r = 0; r < 16; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int64_t x = 0; x < dv; x += 16) {
+      _mm512_storeu_ps(out + r * ld + x, _mm512_mul_ps(_mm512_loadu_ps(in + r * ld + x), a));
+    }
+  }
+  alignas(64) uint32_t pa[2][16][16];  // [k-step][row][pair]
+  for (int64_t i0 = 0; i0 < padded; i0 += 16) {
+    for (int i = 0; i < 16; ++i) {
+      for (int r = 0; r < 16; ++r) pa[i0 / 16][r][i] = i0 + i < pairs ? pp[(i0 + i) * 16 + r] : 0u;
+    }
+  }
+  AmxConfigure();
+  const int64_t b_stride = dv * 4, c_stride = ld * 4;
+  for (int64_t x0 = 0; x0 < dv; x0 += 64) {
+    float* c = out + x0;
+    _tile_loadd(0, c, c_stride);
+    _tile_loadd(1, c + 16, c_stride);
+    _tile_loadd(2, c + 32, c_stride);
+    _tile_loadd(3, c + 48, c_stride);
+    for (int64_t i0 = 0; i0 < padded; i0 += 16) {
+      const uint32_t* b = vi + i0 * dv + x0;
+      _tile_loadd(4, pa[i0 / 16], 64);
+      _tile_loadd(5, b, b_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 16, b_stride);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b + 32, b_stride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b + 48, b_stride);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, c, c_stride);
+    _tile_stored(1, c + 16, c_stride);
+    _tile_stored(2, c + 32, c_stride);
+    _tile_stored(3, c + 48, c_stride);
+  }
+  __m512 zero_if_finite = _mm512_setzero_ps();
+  for (int r = 0; r < 16; ++r) {
+    for (int64_t x = 0; x < dv; x += 16) {
+      zero_if_finite =
+          _mm512_fmadd_ps(_mm512_loadu_ps(out + r * ld + x), _mm512_setzero_ps(), zero_if_finite);
+    }
+  }
+  return _mm512_cmpneq_ps_mask(zero_if_finite, _mm512_setzero_ps()) == 0;
+}
+#endif
+
 // O' = alpha O + P V (ValueRowsBf16) for the n rows ([n][ld]) and dv columns of one kv head,
 // keys [0, nk) (past nk P is 0 and the rows are not read), asking for the lines of `ask` as it
 // goes; false when the result is not finite. P meets V rounded to bfloat16: `pp` holds P's key
@@ -589,6 +654,11 @@ __attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, 
       _mm512_storeu_si512(vi + i * dv + x, _mm512_permutex2var_epi16(lo, interleave, hi));
     }
   }
+#if defined(ATTNAUX_AMX)
+  if (n == kLanes && np == kLanes && dv % 64 == 0 && AmxUsable()) {
+    return ValuesAmx16(pairs, dv, alpha, in, out, ld, ask, pp, vi);
+  }
+#endif
   // blocks of 4 rows x 64 columns (2 x 128 for 1 or 2 rows), then narrower ones
   __m512 finite = _mm512_setzero_ps();
   int64_t calls = 0;
