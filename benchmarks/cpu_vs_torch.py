@@ -14,10 +14,11 @@ bfloat16), and a key of a kv head with r query rows (q_seq x the GQA group) and 
 2 r d multiply-adds for its 2 d values of K and V, so no kernel reads them faster than R x (bytes
 of a value) / r (bfloat16: the VDPBF16PS bound; where the decode multiplies on AMX tiles, 16
 bfloat16 rows a kv head on a CPU that has them, it can go past it). Where that bound is below a
-share of the copy bandwidth, the share cannot be reached on this machine. The same probe reads a 256 MiB buffer with every core (512-bit loads,
-nothing else): decode reads K and V once, so that **read stream** is its memory bound, which
-can sit well below the copy's bytes read + written (59% of it on a 2-core Xeon VM). Every time is the best of `--repeats` after
-a warm-up, jitted (attnaux, XLA) or under `torch.no_grad` / autograd (torch), with both cores.
+share of the copy bandwidth, the share cannot be reached on this machine. The same probe reads
+a 256 MiB buffer with every core (512-bit loads, nothing else): decode reads K and V once, so
+that **read stream** is its memory bound, which can sit well below the copy's bytes read +
+written (59% of it on a 2-core Xeon VM). Every time is the best of `--repeats` after a warm-up,
+jitted (attnaux, XLA) or under `torch.no_grad` / autograd (torch), with both cores.
 torch is optional: without it its column is empty. Ratios > 1 mean attnaux is faster.
 """
 

@@ -386,8 +386,8 @@ _THREAD_SCRIPT = textwrap.dedent(
                         dict(no_bias=True, kv_seqlens=jnp.asarray([5000, 4100]))),
         "decode_one": (problem(4, 2, 1, 4500, 4, 4, 64, 64, jnp.bfloat16, 1),
                        dict(no_bias=True, softcap=20.0)),
-        # 16 bfloat16 rows per kv head: the score products on AMX tiles where the CPU has them,
-        # the tiles' last keys (lengths not multiples of 16) on VDPBF16PS
+        # 16 bfloat16 rows per kv head: S and P V on AMX tiles where the CPU has them (the
+        # last keys of a tile past a whole 16 scored on VDPBF16PS)
         "decode_rows_bf16": (problem(5, 2, 4, 3000, 8, 2, 128, 128, jnp.bfloat16, 1),
                              dict(no_bias=True, kv_seqlens=jnp.asarray([3000, 2301]))),
     }

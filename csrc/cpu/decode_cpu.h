@@ -1258,7 +1258,8 @@ inline void DotTileRows(const AttentionParams& p,
 // kD floats back to back). The query rows and the output rows are read from and written to L1
 // for every (key, head) pair instead of held in registers over a head's keys, but the reads are
 // one sequential stream, and each row's lines kStreamAhead bytes further on are asked for
-// (non-temporal: they are read once): a core read K and V at ~36 GB/s here (d 128; ~33 for d 64),
+// (non-temporal, as they are read once; into L2 on Intel, kLocality: OneRowAsksIntoL2): a core
+// read K and V at ~36 GB/s here (Zen 5; d 128; ~33 for d 64),
 // against ~27 (~21) in a head-by-head order (rows 4 KiB apart), with ~41 for a plain
 // read; ~33 (~27) without the prefetches. (Reducing 16 pairs' partial sums together with a
 // transpose-and-add tree instead of one horizontal sum each was slower on this stream: ~23 GB/s

@@ -10,7 +10,7 @@
 // - a producer warpgroup (24 registers after setmaxnreg): one thread loads K and V once and the
 //   Q, dO and row statistics of each step by TMA into a two-stage mbarrier pipeline; another
 //   warp bulk-reduce-adds each consumer warpgroup's dQ tile into dq_accum (FlashAttention-3's
-//   `store_dq`), so that the consumers never wait on the copy engine;
+//   `store_dq`): the consumers issue no copies and wait only for their staging to be read;
 // - two consumer warpgroups (240 registers), 64 keys each, holding dK and dV in registers. Per
 //   step (m: a query tile of one head):
 //     S^T = K Q^T, dP^T = V dO^T                (wgmma, shared-memory operands)
@@ -163,6 +163,10 @@ __device__ __forceinline__ BwdTile BwdTileOf(const BwdParams& p, int block_n, in
   return BwdTile{n_block, pair % p.kv_heads, pair / p.kv_heads};
 }
 
+// Named barriers beside the consumers' 1 (256 threads): a consumer warpgroup's dQ staging full
+// (2 + wg) and empty again (4 + wg), each between its 128 threads and the dQ warp.
+constexpr int kDqFullBarrier = 2, kDqEmptyBarrier = 4, kDqBarrierThreads = 128 + 32;
+
 // kPacked: packed sequences (hopper_bwd_packed.cu). The CTAs follow the key side's block table,
 // kv head by kv head (index = entry x kv_heads + kv head): each takes one 128-key block of one
 // run (`p.blocks`: the table's order, the sequences with the most key blocks first; within a
@@ -172,10 +176,6 @@ __device__ __forceinline__ BwdTile BwdTileOf(const BwdParams& p, int block_n, in
 // zeroed in shared memory before the products read them (0 * NaN is NaN in the tensor cores);
 // dK and dV are written for the block's own keys alone (a run without queries: zeros); dQ's
 // tiles are the sequence's own, from `p.tile_base[seq]`.
-// named barriers beside the consumers' 1 (256 threads): a consumer warpgroup's dQ staging full
-// (2 + wg) and empty again (4 + wg), each between its 128 threads and the dQ warp
-constexpr int kDqFullBarrier = 2, kDqEmptyBarrier = 4, kDqBarrierThreads = 128 + 32;
-
 template <class Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     HopperBwdKernel(const __grid_constant__ KernelParams<Traits> params) {
