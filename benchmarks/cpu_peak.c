@@ -88,21 +88,24 @@ static void *run(void *arg) {
   return NULL;
 }
 
-static double peak(int threads, double seconds, int bf16) {
+/* runs fn(args + t * size) on `threads` threads at once and waits for them all */
+static void run_threads(int threads, void *(*fn)(void *), void *args, size_t size) {
   pthread_t ids[256];
-  struct job jobs[256];
-  double total = 0;
   for (int t = 0; t < threads; ++t) {
-    jobs[t] = (struct job){seconds, bf16, 0, 0};
-    if (pthread_create(&ids[t], NULL, run, &jobs[t]) != 0) {
+    if (pthread_create(&ids[t], NULL, fn, (char *)args + t * size) != 0) {
       fprintf(stderr, "cpu_peak: could not start thread %d of %d\n", t + 1, threads);
       exit(1);
     }
   }
-  for (int t = 0; t < threads; ++t) {
-    pthread_join(ids[t], NULL);
-    total += jobs[t].macs;
-  }
+  for (int t = 0; t < threads; ++t) pthread_join(ids[t], NULL);
+}
+
+static double peak(int threads, double seconds, int bf16) {
+  struct job jobs[256];
+  double total = 0;
+  for (int t = 0; t < threads; ++t) jobs[t] = (struct job){seconds, bf16, 0, 0};
+  run_threads(threads, run, jobs, sizeof(jobs[0]));
+  for (int t = 0; t < threads; ++t) total += jobs[t].macs;
   return total;
 }
 
@@ -129,23 +132,14 @@ static double read_rate(int threads) {
   const size_t floats = READ_BYTES / sizeof(float);
   for (size_t i = 0; i < floats; ++i) data[i] = 1.0f; /* every page touched, not zero pages */
   const size_t slice = floats / threads / 64 * 64;
-  pthread_t ids[256];
   struct reader readers[256];
   double fastest = 1e30, sink = 0;
   for (int pass = 0; pass < 5; ++pass) {
+    for (int t = 0; t < threads; ++t) readers[t] = (struct reader){data + t * slice, slice, 0};
     double start = now();
-    for (int t = 0; t < threads; ++t) {
-      readers[t] = (struct reader){data + t * slice, slice, 0};
-      if (pthread_create(&ids[t], NULL, read_slice, &readers[t]) != 0) {
-        fprintf(stderr, "cpu_peak: could not start thread %d of %d\n", t + 1, threads);
-        exit(1);
-      }
-    }
-    for (int t = 0; t < threads; ++t) {
-      pthread_join(ids[t], NULL);
-      sink += readers[t].sink;
-    }
+    run_threads(threads, read_slice, readers, sizeof(readers[0]));
     const double elapsed = now() - start;
+    for (int t = 0; t < threads; ++t) sink += readers[t].sink;
     if (elapsed < fastest) fastest = elapsed;
   }
   free(data);
