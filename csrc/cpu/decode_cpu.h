@@ -255,6 +255,14 @@ struct LineAsk {
     *count = 1;
     return fallback;
   }
+  // asks for lines [first, na + nb), one request a line, with locality hint kHint
+  template <int kHint>
+  void AskFrom(int64_t first, const char* fallback) const {
+    for (int64_t line = first; line < na + nb; ++line) {
+      int64_t one;
+      __builtin_prefetch(Run(line, 1, fallback, &one), 0, kHint);
+    }
+  }
 };
 
 #if defined(__AVX512F__)
@@ -572,11 +580,7 @@ inline VecF ExpPackBf16(float* st, int64_t np, int64_t v, VecF m_use, uint32_t* 
 inline bool ValuesAmx16(int64_t pairs, int64_t dv, const float* alpha, const float* in,
                         float* out, int64_t ld, const LineAsk& ask, const uint32_t* pp,
                         uint32_t* vi) {
-  int64_t one;
-  for (int64_t line = 0; line < ask.na + ask.nb; ++line) {
-    __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(vi), &one), 0,
-                       kBf16AskHint);
-  }
+  ask.AskFrom<kBf16AskHint>(0, reinterpret_cast<const char*>(vi));
   const int64_t padded = CeilDiv(pairs, int64_t{16}) * 16;
   for (int64_t i = pairs; i < padded; ++i) std::fill(vi + i * dv, vi + (i + 1) * dv, 0u);
   for (int r = 0; r < 16; ++r) {
@@ -716,11 +720,7 @@ __attribute__((noinline)) inline bool ValuesBf16(int64_t nk, const uint16_t* v, 
     }
     r += rows;
   }
-  for (; line < total; ++line) {  // (lines left by the runs' ends)
-    int64_t one;
-    __builtin_prefetch(ask.Run(line, 1, reinterpret_cast<const char*>(v), &one), 0,
-                       kBf16AskHint);
-  }
+  ask.AskFrom<kBf16AskHint>(line, reinterpret_cast<const char*>(v));  // (left by runs' ends)
   return _mm512_cmpneq_ps_mask(finite, _mm512_setzero_ps()) == 0;
 }
 #else
