@@ -861,9 +861,9 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
     sequence, without keys), the sequences with the most blocks first and the runs without keys
     last, each run's blocks together, its last first; -1 after the last block. After it in the
     buffer (`PackedWork`), for the packed backward: each sequence's first dQ tile of 64 rows and
-    each tile's sequence (-1 past the last). The rows of the runs without keys (NaN in q there)
-    come out 0 with lse = max = -inf; the statistics per sequence for cuDNN's backward are the
-    lse of the sequence's rows, +inf where it is -inf."""
+    each tile's sequence (-1 past the last), then the forward's order of the table. The rows of
+    the runs without keys (NaN in q there) come out 0 with lse = max = -inf; the statistics per
+    sequence for cuDNN's backward are the lse of the sequence's rows, +inf where it is -inf."""
     if not ON_HOPPER or not _ffi.has_target(_hopper_packed.CUDA_FORWARD_TARGET, "gpu"):
         pytest.skip("needs a Hopper GPU and the CUDA C++ Hopper kernels")
     q_lens = np.asarray(q_lens, np.int32)
@@ -908,13 +908,29 @@ def test_gpu_cuda_forward_block_table(q_lens, max_q, extra):
         at += blocks
     assert not by_start and at == used  # every run once
     assert buckets == sorted(buckets, reverse=True)  # most blocks first, keyless runs last
+    # the forward's order of it, at the buffer's end: chunks of 32 entries (kTableChunk) whose
+    # runs all have 1024 queries or more (kForwardOrderMinRows) heaviest first, stably (no
+    # mask here: a block's weight is its run's key blocks), the others as in the table
+    dq_tiles = total_q // 64 + n + 1
+    forward = np.asarray(work)[6 * count + 3 * n + 3 + dq_tiles:].reshape(6, count)
+    assert (forward[0, used:] == -1).all()
+    sorted_chunks = 0
+    for c0 in range(0, used, 32):
+        part = table[:, c0:min(c0 + 32, used)]  # (past `used` only m_block is written)
+        if (part[2] >= 1024).all():
+            weight = -(-part[4] // 128)
+            order = np.argsort(-weight, kind="stable")
+            sorted_chunks += (order != np.arange(part.shape[1])).any()
+            part = part[:, order]
+        np.testing.assert_array_equal(forward[:, c0:c0 + part.shape[1]], part)
+    # (in `range(0, 3000, 97)` the keys are the queries reversed: the first chunks re-ordered)
+    assert sorted_chunks > 0 or max_q < 2048
     # the dQ tiles: [6 count][2 n + 1 runs' entries][n + 1 tile bases][counter][tile's sequence]
     tiles = -(-np.minimum(np.diff(cu_q), max_q) // 64)
     base = np.concatenate([[0], np.cumsum(tiles)])
     words = np.asarray(work)
     np.testing.assert_array_equal(words[6 * count + 2 * n + 1:][:n + 1], base)
-    tile_seq = words[6 * count + 3 * n + 3:]
-    assert tile_seq.shape == (total_q // 64 + n + 1,)
+    tile_seq = words[6 * count + 3 * n + 3:][:dq_tiles]
     np.testing.assert_array_equal(tile_seq[:base[-1]], np.repeat(np.arange(n), tiles))
     assert (tile_seq[base[-1]:] == -1).all()
     assert not np.asarray(out[0, keyless], np.float32).any()

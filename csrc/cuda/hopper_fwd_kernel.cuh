@@ -174,9 +174,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the tile. (Each consumer decoding the tile itself, two dependent reads, and both
   // warpgroups meeting at one barrier measured 0.250 ms against the dense kernel's 0.167 on
   // the same 16 causal documents of 1024 tokens; the producer decoding each tile as it
-  // published it, 0.218.) The query blocks come in the table's order
+  // published it, 0.218.) The query blocks come in the table's forward order
   // (hopper_fwd_packed_table.cuh: the longest sequences first, each sequence's last, under a
-  // causal mask heaviest, block first), a block's heads next to each other.
+  // causal mask heaviest, block first; chunks of 32 blocks of sequences of 1024 queries or more
+  // heaviest first: ForwardOrder), a block's heads next to each other.
   const int m_blocks = p.q_seq / M;
   const int tiles = kPacked ? p.block_count * p.q_heads : m_blocks * p.q_heads * p.batch;
   const int* schedule = p.schedule;

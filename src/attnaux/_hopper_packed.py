@@ -608,8 +608,9 @@ def _cuda_op(scale: float, causal: int, window_left: int, window_right: int, max
 def _work_shape(block_tokens: int, q_tokens: int, num_seqs: int) -> jax.ShapeDtypeStruct:
     """The packed handlers' int32 work buffer (`PackedWork`): the block table of `block_tokens`
     rows (the forward's queries, the backward's keys), the runs' first entries, the dQ tile
-    bases, a tile counter, each dQ tile's sequence (`_dq_tiles` of them)."""
-    size = (6 * cuda_block_count(block_tokens, num_seqs) + 3 * num_seqs + 3
+    bases, a tile counter, each dQ tile's sequence (`_dq_tiles` of them), the forward's order of
+    the block table."""
+    size = (12 * cuda_block_count(block_tokens, num_seqs) + 3 * num_seqs + 3
             + _dq_tiles(q_tokens, num_seqs))
     return jax.ShapeDtypeStruct((size,), jnp.int32)
 
