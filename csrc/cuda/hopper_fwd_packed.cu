@@ -111,7 +111,8 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   SetGeometry(p, 1, total_q, total_kv, q_heads, kv_heads, scale, total_q, total_kv, 0,
               has_upper, upper, has_lower, lower);
   int* const work_data = work->typed_data();
-  p.blocks = work_data + layout.forward_blocks();  // (ForwardOrder's copy of the table)
+  int* const forward_blocks = work_data + layout.forward_blocks();  // (ForwardOrder's copy)
+  p.blocks = forward_blocks;
   p.block_count = int(block_count);
   p.bottom_right = bottom_right != 0;
   p.tile_counter = work_data + layout.tile_counter();
@@ -138,7 +139,7 @@ ffi::Error HopperFwdPackedImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   table.tile_offsets = q_offsets.typed_data();
   table.tile_max_len = int(max_seqlen_q);
   table.dq_tiles = int(layout.dq_tiles);
-  table.forward_blocks = work_data + layout.forward_blocks();
+  table.forward_blocks = forward_blocks;
   table.has_upper = p.has_upper;
   table.upper = p.upper;
   table.has_lower = p.has_lower;

@@ -31,6 +31,8 @@
 
 #include <cstdint>
 
+#include "cuda/hopper_kernel_utils.cuh"
+
 namespace attnaux_hopper {
 
 struct PackedTableParams {
@@ -124,12 +126,9 @@ __device__ inline int BucketOf(const PackedTableParams& t, int r, int n_blocks) 
 __device__ inline int EntryWeight(const PackedTableParams& t, int m_block, int q_len, int kv_len) {
   const int m0 = m_block * kTableRows;
   const int offset = t.bottom_right ? kv_len - q_len : 0;
-  auto floor_div = [](int a) {
-    return a >= 0 ? a / kTableRows : -((-a + kTableRows - 1) / kTableRows);
-  };
   int hi = (kv_len + kTableRows - 1) / kTableRows, lo = 0;
-  if (t.has_upper) hi = min(hi, floor_div(m0 + kTableRows - 1 + offset + t.upper) + 1);
-  if (t.has_lower) lo = max(lo, floor_div(m0 + offset - t.lower));
+  if (t.has_upper) hi = min(hi, FloorDiv(m0 + kTableRows - 1 + offset + t.upper, kTableRows) + 1);
+  if (t.has_lower) lo = max(lo, FloorDiv(m0 + offset - t.lower, kTableRows));
   return max(hi - lo, 0);
 }
 
